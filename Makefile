@@ -1,0 +1,26 @@
+PY ?= .venv/bin/python
+PROTOS := proto/vgpu/pb/deviceplugin_v1beta1.proto proto/vgpu/pb/podresources_v1.proto
+
+.PHONY: proto check lint type test hooks bench
+
+# Regenerate the committed gRPC stubs under vgpu/pb/ (needs grpcio-tools).
+proto:
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+
+hooks:
+	$(MAKE) -C hooks
+
+lint:
+	$(PY) -m ruff check vgpu tests bench
+	$(PY) -m ruff format --check vgpu tests bench
+
+type:
+	$(PY) -m mypy
+
+check: lint type
+
+test: hooks
+	$(PY) -m pytest -q
+
+bench:
+	$(PY) -m bench
