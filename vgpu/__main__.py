@@ -1,0 +1,5 @@
+import sys
+
+from vgpu.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,201 @@
+"""The GPU backend port and the mock backend.
+
+A backend enumerates cards and reports health changes. The mock backend reads
+a JSON or YAML file (or a preset such as ``preset:2xH200``) and re-reads it
+when it changes: that is how tests, the demo and laptops inject faults.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from vgpu.core.errors import ConfigError
+from vgpu.core.health import HealthEvent
+from vgpu.core.model import Card, CardUuid
+from vgpu.core.slicing import check_card_uuid
+
+log = logging.getLogger(__name__)
+
+# A full, fresh card list (mock) or one health event (NVML).
+CardsCallback = Callable[[list[Card]], None]
+EventCallback = Callable[[HealthEvent], None]
+
+
+class GpuBackend(Protocol):
+    """Where cards come from."""
+
+    name: str
+
+    def cards(self) -> list[Card]:
+        """The cards present now (a Card.xid is an XID still to be judged by the
+        health tracker). Raises BackendError or ConfigError with a hint."""
+        ...
+
+    def watch(
+        self, stop: threading.Event, on_cards: CardsCallback, on_event: EventCallback
+    ) -> None:
+        """Block until `stop` is set, reporting changes through the callbacks."""
+        ...
+
+    def memory_used_mib(self) -> dict[CardUuid, int]:
+        """Real memory in use per card, where the backend can tell (else empty)."""
+        ...
+
+
+class BackendError(Exception):
+    """The backend cannot be used; the message says why and what to do."""
+
+
+PRESETS: dict[str, tuple[str, int]] = {
+    "H200": ("NVIDIA H200", 143771),
+    "H100": ("NVIDIA H100 80GB HBM3", 81559),
+    "H20": ("NVIDIA H20", 97871),
+    "A100": ("NVIDIA A100-SXM4-80GB", 81920),
+    "L4": ("NVIDIA L4", 23034),
+}
+_PRESET_RE = re.compile(r"^preset:(\d{1,2})x([A-Za-z0-9]+)$")
+
+
+def preset_cards(spec: str) -> list[Card]:
+    """Cards for 'preset:<N>x<MODEL>', e.g. preset:8xH200. Stable fake UUIDs."""
+    match = _PRESET_RE.match(spec)
+    if not match or match.group(2).upper() not in PRESETS or not 1 <= int(match.group(1)) <= 64:
+        raise ConfigError(
+            f"mock preset {spec!r} is not known; use preset:<1-64>x<MODEL> with MODEL one of "
+            f"{', '.join(PRESETS)}, e.g. preset:2xH200"
+        )
+    count, model = int(match.group(1)), match.group(2).upper()
+    name, memory_mib = PRESETS[model]
+    return [
+        Card(
+            uuid=CardUuid(f"GPU-{model.lower():0>8}-0000-4000-8000-{i:012d}"[:40]),
+            index=i,
+            name=name,
+            memory_mib=memory_mib,
+            minor=i,
+            numa_node=i * 2 // count if count > 1 else 0,
+        )
+        for i in range(count)
+    ]
+
+
+def parse_mock(data: Any, source: str) -> list[Card]:
+    """Cards from the mock file's data; a reported XID rides on Card.xid."""
+    if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
+        raise ConfigError(f'{source}: expected {{"gpus": [{{"uuid": ..., ...}}, ...]}}')
+    cards: list[Card] = []
+    allowed = {"uuid", "name", "memory_mib", "minor", "numa_node", "healthy", "xid", "index"}
+    for i, item in enumerate(data["gpus"]):
+        where = f"{source}: gpus[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where} must be a mapping with uuid, name and memory_mib")
+        extra = set(item) - allowed
+        if extra:
+            raise ConfigError(
+                f"{where}: unknown key(s) {sorted(extra)}; allowed: {sorted(allowed)}"
+            )
+        for key in ("uuid", "name", "memory_mib"):
+            if key not in item:
+                raise ConfigError(f"{where}: missing {key!r}")
+        try:
+            uuid = check_card_uuid(str(item["uuid"]))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc.message}") from None
+        memory = item["memory_mib"]
+        if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
+            raise ConfigError(f"{where}: memory_mib must be a positive whole number of MiB")
+        for key in ("minor", "numa_node", "xid", "index"):
+            value = item.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{where}: {key} must be a whole number or null")
+        healthy = item.get("healthy", True)
+        if not isinstance(healthy, bool):
+            raise ConfigError(f"{where}: healthy must be true or false")
+        if any(c.uuid == uuid for c in cards):
+            raise ConfigError(f"{where}: uuid {uuid} appears twice")
+        index = item.get("index", i)
+        cards.append(
+            Card(
+                uuid=uuid,
+                index=index,
+                name=str(item["name"]),
+                memory_mib=memory,
+                minor=int(item["minor"]) if item.get("minor") is not None else index,
+                numa_node=item.get("numa_node"),
+                healthy=healthy,
+                xid=item.get("xid"),
+            )
+        )
+    return cards
+
+
+class MockBackend:
+    """Cards described by a file (JSON or YAML) or a preset; faults by editing it."""
+
+    name = "mock"
+
+    def __init__(self, source: str | Path, poll_interval_s: float = 0.2) -> None:
+        self.source = str(source)
+        self.poll_interval_s = poll_interval_s
+        self._preset = self.source.startswith("preset:")
+
+    def _read(self) -> list[Card]:
+        if self._preset:
+            return preset_cards(self.source)
+        path = Path(self.source)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"mock GPU file {path} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"mock GPU file {path} cannot be read: {exc.strerror}") from None
+        try:
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (ValueError, yaml.YAMLError) as exc:
+            raise ConfigError(f"mock GPU file {path} is not valid JSON/YAML: {exc}") from None
+        return parse_mock(data, f"mock GPU file {path}")
+
+    def cards(self) -> list[Card]:
+        """The file's cards; Card.xid carries an injected XID for the daemon to filter."""
+        return self._read()
+
+    def memory_used_mib(self) -> dict[CardUuid, int]:
+        return {}
+
+    def watch(
+        self, stop: threading.Event, on_cards: CardsCallback, on_event: EventCallback
+    ) -> None:
+        if self._preset:
+            stop.wait()
+            return
+        path = Path(self.source)
+        last = self._stamp(path)
+        while not stop.wait(self.poll_interval_s):
+            stamp = self._stamp(path)
+            if stamp == last:
+                continue
+            last = stamp
+            try:
+                cards = self._read()
+            except ConfigError as exc:
+                log.warning(
+                    "mock GPU file changed but is unusable, keeping the last cards: %s", exc
+                )
+                continue
+            on_cards(cards)
+
+    @staticmethod
+    def _stamp(path: Path) -> tuple[int, int, int] | None:
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)

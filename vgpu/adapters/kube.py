@@ -1,0 +1,342 @@
+"""The Kubernetes API behind one small module: a watch-based cache of the
+pods bound to this node, and pod annotation patches.
+
+Only this module imports the `kubernetes` client; its exceptions never leak
+(callers see KubeUnavailable). Nothing here is called on the Allocate path
+except `candidates()`, which reads the in-memory cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from vgpu.core.model import ContainerSpec, Request, Resource
+
+log = logging.getLogger(__name__)
+
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+
+
+class KubeUnavailable(Exception):
+    pass
+
+
+class PodSource(Protocol):
+    """What the daemon needs to know about pods."""
+
+    enabled: bool  # False: no API server configured at all
+
+    def candidates(self) -> list[ContainerSpec]:
+        """Containers of pods on this node still being admitted (phase Pending), oldest first."""
+        ...
+
+    def synced(self) -> bool:
+        """True while the cache is complete and the watch is running."""
+        ...
+
+    def wait_change(self, timeout_s: float) -> bool: ...
+
+    def annotate(self, namespace: str, pod: str, annotations: dict[str, str | None]) -> None:
+        """Queue a patch of the pod's annotations (best effort, off the hot path)."""
+        ...
+
+    def annotations(self, namespace: str, pod: str) -> dict[str, str]: ...
+
+    def uid_of(self, namespace: str, pod: str) -> str:
+        """The pod's UID if cached, else ''."""
+        ...
+
+    def start(self, stop: threading.Event) -> None: ...
+
+
+class NoPods:
+    """No API server configured: every admission uses the fallback rule."""
+
+    enabled = False
+
+    def candidates(self) -> list[ContainerSpec]:
+        return []
+
+    def synced(self) -> bool:
+        return False
+
+    def wait_change(self, timeout_s: float) -> bool:
+        return False
+
+    def annotate(self, namespace: str, pod: str, annotations: dict[str, str | None]) -> None:
+        return None
+
+    def annotations(self, namespace: str, pod: str) -> dict[str, str]:
+        return {}
+
+    def uid_of(self, namespace: str, pod: str) -> str:
+        return ""
+
+    def start(self, stop: threading.Event) -> None:
+        return None
+
+
+def _quantity(value: Any) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        return 0
+
+
+def container_specs(pod: dict[str, Any], domain: str) -> list[ContainerSpec]:
+    """The containers of one pod (as API JSON) that ask for our resources."""
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    created = meta.get("creationTimestamp")
+    try:
+        created_s = (
+            datetime.fromisoformat(str(created).replace("Z", "+00:00")).timestamp()
+            if created
+            else 0.0
+        )
+    except ValueError:
+        created_s = 0.0
+    core_name = Resource.CORE.full_name(domain)
+    mem_name = Resource.MEMORY.full_name(domain)
+    out = []
+    order = 0
+    for init, key in ((True, "initContainers"), (False, "containers")):
+        for container in spec.get(key) or []:
+            order += 1
+            resources = container.get("resources") or {}
+            limits = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+            request = Request(
+                _quantity(limits.get(core_name, 0)), _quantity(limits.get(mem_name, 0))
+            )
+            if not request.resources:
+                continue
+            out.append(
+                ContainerSpec(
+                    pod_uid=str(meta.get("uid", "")),
+                    namespace=str(meta.get("namespace", "default")),
+                    pod=str(meta.get("name", "")),
+                    container=str(container.get("name", "")),
+                    request=request,
+                    created_s=created_s,
+                    init=init,
+                    order=order,
+                )
+            )
+    return out
+
+
+class KubePodCache:
+    """List+watch of pods with spec.nodeName=<node>; resumes with backoff."""
+
+    enabled = True
+
+    def __init__(
+        self,
+        node_name: str,
+        domain: str,
+        kubeconfig: Path | None,
+        on_pod_gone: Callable[[], None] | None = None,
+        backoff_max_s: float = 30.0,
+    ) -> None:
+        self.node_name = node_name
+        self.domain = domain
+        self.kubeconfig = kubeconfig
+        self.on_pod_gone = on_pod_gone
+        self.backoff_max_s = backoff_max_s
+        self._pods: dict[str, dict[str, Any]] = {}  # uid -> pod JSON
+        self._specs: dict[str, list[ContainerSpec]] = {}
+        self._cond = threading.Condition()
+        self._synced = False
+        self._version = 0
+        self._patches: queue.Queue[tuple[str, str, dict[str, str | None]]] = queue.Queue()
+        self._api: Any = None
+
+    # ------------------------------------------------------------ client
+
+    def _client(self) -> Any:
+        if self._api is None:
+            from kubernetes import client, config
+
+            if self.kubeconfig is not None:
+                cfg = client.Configuration()
+                config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=cfg)
+            else:
+                cfg = client.Configuration()
+                config.load_incluster_config(client_configuration=cfg)
+            cfg.retries = False
+            self._api = client.CoreV1Api(client.ApiClient(cfg))
+        return self._api
+
+    # ------------------------------------------------------------- reads
+
+    def candidates(self) -> list[ContainerSpec]:
+        with self._cond:
+            specs = [s for specs in self._specs.values() for s in specs]
+        return sorted(specs, key=lambda s: (s.created_s, s.namespace, s.pod, s.order))
+
+    def synced(self) -> bool:
+        return self._synced
+
+    def wait_change(self, timeout_s: float) -> bool:
+        with self._cond:
+            version = self._version
+            return self._cond.wait_for(lambda: self._version != version, timeout_s)
+
+    def annotations(self, namespace: str, pod: str) -> dict[str, str]:
+        with self._cond:
+            for obj in self._pods.values():
+                meta = obj.get("metadata") or {}
+                if meta.get("namespace") == namespace and meta.get("name") == pod:
+                    return dict(meta.get("annotations") or {})
+        return {}
+
+    def uid_of(self, namespace: str, pod: str) -> str:
+        with self._cond:
+            for uid, obj in self._pods.items():
+                meta = obj.get("metadata") or {}
+                if meta.get("namespace") == namespace and meta.get("name") == pod:
+                    return uid
+        return ""
+
+    def live_uids(self) -> set[str]:
+        with self._cond:
+            return set(self._pods)
+
+    # ------------------------------------------------------------ writes
+
+    def annotate(self, namespace: str, pod: str, annotations: dict[str, str | None]) -> None:
+        self._patches.put((namespace, pod, annotations))
+
+    # --------------------------------------------------------- lifecycle
+
+    def start(self, stop: threading.Event) -> None:
+        threading.Thread(
+            target=self._watch_loop, args=(stop,), name="kube-watch", daemon=True
+        ).start()
+        threading.Thread(
+            target=self._patch_loop, args=(stop,), name="kube-patch", daemon=True
+        ).start()
+
+    def _apply(self, kind: str, obj: dict[str, Any]) -> bool:
+        """Fold one pod into the cache; True when a pod left (deleted or finished)."""
+        meta = obj.get("metadata") or {}
+        uid = str(meta.get("uid", ""))
+        phase = (obj.get("status") or {}).get("phase")
+        gone = kind == "DELETED" or phase in TERMINAL_PHASES
+        with self._cond:
+            if gone:
+                existed = self._pods.pop(uid, None) is not None
+                self._specs.pop(uid, None)
+            else:
+                existed = False
+                self._pods[uid] = obj
+                if phase == "Pending" and not meta.get("deletionTimestamp"):
+                    self._specs[uid] = container_specs(obj, self.domain)
+                else:
+                    self._specs.pop(uid, None)
+            self._version += 1
+            self._cond.notify_all()
+        return gone and (existed or kind == "DELETED")
+
+    def _watch_loop(self, stop: threading.Event) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        backoff = 0.5
+        resource_version: str | None = None
+        selector = f"spec.nodeName={self.node_name}"
+        while not stop.is_set():
+            try:
+                api = self._client()
+                if resource_version is None:
+                    reply = api.list_pod_for_all_namespaces(
+                        field_selector=selector, _preload_content=False, _request_timeout=10
+                    )
+                    data = json.loads(reply.data)
+                    with self._cond:
+                        self._pods.clear()
+                        self._specs.clear()
+                    for item in data.get("items", []):
+                        self._apply("ADDED", item)
+                    resource_version = data["metadata"]["resourceVersion"]
+                    self._synced = True
+                    if self.on_pod_gone:
+                        self.on_pod_gone()
+                    log.info(
+                        "pod cache synced: %d pods on node %s", len(self._pods), self.node_name
+                    )
+                w = watch.Watch()
+                for event in w.stream(
+                    api.list_pod_for_all_namespaces,
+                    field_selector=selector,
+                    resource_version=resource_version,
+                    timeout_seconds=60,
+                    allow_watch_bookmarks=True,
+                    _request_timeout=75,
+                ):
+                    if stop.is_set():
+                        w.stop()
+                        break
+                    raw = event.get("raw_object") or {}
+                    kind = event.get("type")
+                    if kind == "ERROR":
+                        code = raw.get("code")
+                        if code == 410:
+                            resource_version = None
+                            break
+                        raise KubeUnavailable(f"watch error {raw.get('message')}")
+                    resource_version = (raw.get("metadata") or {}).get(
+                        "resourceVersion", resource_version
+                    )
+                    if kind == "BOOKMARK":
+                        continue
+                    if self._apply(str(kind), raw) and self.on_pod_gone:
+                        self.on_pod_gone()
+                backoff = 0.5
+            except ApiException as exc:
+                if exc.status == 410:
+                    resource_version = None
+                    continue
+                self._synced = False
+                log.warning("API server error %s, retrying in %.1fs", exc.status, backoff)
+                stop.wait(backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
+            except Exception as exc:  # urllib3, socket and client errors alike
+                self._synced = False
+                log.warning(
+                    "API server unreachable (%s), retrying in %.1fs", type(exc).__name__, backoff
+                )
+                stop.wait(backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
+
+    def _patch_loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                namespace, pod, annotations = self._patches.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            for attempt in range(5):
+                try:
+                    self._client().patch_namespaced_pod(
+                        pod,
+                        namespace,
+                        {"metadata": {"annotations": annotations}},
+                        _request_timeout=5,
+                    )
+                    break
+                except Exception as exc:
+                    status = getattr(exc, "status", None)
+                    if status == 404:
+                        break
+                    log.debug(
+                        "annotating %s/%s failed (%s), attempt %d", namespace, pod, exc, attempt
+                    )
+                    if stop.wait(min(2**attempt * 0.5, 10)):
+                        return

@@ -1,0 +1,336 @@
+"""The device-plugin gRPC edge: protobuf in, plain values to the daemon, protobuf out.
+
+Domain errors become the right status code with their message; anything
+unexpected becomes INTERNAL with a generic message and a logged traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import grpc
+
+from vgpu.core.errors import (
+    InsufficientCapacity,
+    InvalidRequest,
+    PlacementConflict,
+    UnknownDevice,
+    VgpuError,
+)
+from vgpu.core.model import Resource
+from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
+from vgpu.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+MAX_WATCH_STREAMS = 4  # per resource; the kubelet needs one
+MAX_IDS_PER_REQUEST = 100_000  # more IDs than any node advertises
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    device_id: str
+    healthy: bool
+    numa_node: int | None
+
+
+@dataclass(frozen=True)
+class MountSpec:
+    container_path: str
+    host_path: str
+    read_only: bool
+
+
+@dataclass(frozen=True)
+class DeviceNode:
+    container_path: str
+    host_path: str
+    permissions: str = "rw"
+
+
+@dataclass(frozen=True)
+class AllocationAnswer:
+    """One container's Allocate answer, as plain values."""
+
+    envs: dict[str, str]
+    mounts: tuple[MountSpec, ...] = ()
+    devices: tuple[DeviceNode, ...] = ()
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+class PluginCore(Protocol):
+    """What the servicer needs from the daemon (one instance serves both resources)."""
+
+    def device_list(self, resource: Resource) -> tuple[int, Sequence[DeviceView]]: ...
+
+    def wait_devices(self, version: int, timeout_s: float) -> int: ...
+
+    def preferred(
+        self, resource: Resource, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> list[str]: ...
+
+    def allocate(self, resource: Resource, device_ids: Sequence[str]) -> AllocationAnswer: ...
+
+    def prestart(self, resource: Resource, device_ids: Sequence[str]) -> None: ...
+
+
+_STATUS: list[tuple[type[VgpuError], grpc.StatusCode]] = [
+    (UnknownDevice, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (InsufficientCapacity, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (PlacementConflict, grpc.StatusCode.FAILED_PRECONDITION),
+]
+
+
+def status_for(error: VgpuError) -> grpc.StatusCode:
+    for kind, code in _STATUS:
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.FAILED_PRECONDITION
+
+
+T = TypeVar("T")
+
+
+def device_list_message(devices: Sequence[DeviceView]) -> pb.ListAndWatchResponse:
+    return pb.ListAndWatchResponse(
+        devices=[
+            pb.Device(
+                ID=d.device_id,
+                health="Healthy" if d.healthy else "Unhealthy",
+                topology=(
+                    pb.TopologyInfo(nodes=[pb.NUMANode(ID=d.numa_node)])
+                    if d.numa_node is not None
+                    else None
+                ),
+            )
+            for d in devices
+        ]
+    )
+
+
+class DevicePluginServicer(pb_grpc.DevicePluginServicer):
+    """Serves one resource; built per socket."""
+
+    def __init__(
+        self,
+        core: PluginCore,
+        resource: Resource,
+        options: pb.DevicePluginOptions,
+        stopping: threading.Event,
+        on_call: Callable[[str, Resource, float, str], None] | None = None,
+    ) -> None:
+        self.core = core
+        self.resource = resource
+        self.options = options
+        self.stopping = stopping
+        self.on_call = on_call
+        self._streams = 0
+        self._lock = threading.Lock()
+        self._cache: tuple[int, pb.ListAndWatchResponse] | None = None
+
+    def _guard(self, method: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        start = time.perf_counter()
+        outcome = "ok"
+        try:
+            return fn()
+        except VgpuError as exc:
+            outcome = type(exc).__name__
+            code = status_for(exc)
+            log.warning(
+                "%s %s refused (%s): %s", method, self.resource.value, code.name, exc.message
+            )
+            context.abort(code, exc.message)
+        except Exception:
+            outcome = "internal"
+            incident = uuid.uuid4().hex[:8]
+            log.exception(
+                "%s %s failed unexpectedly (incident %s)", method, self.resource.value, incident
+            )
+            context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"vgpu hit an internal error in {method} (incident {incident}); see the vgpu "
+                "daemon log on this node",
+            )
+        finally:
+            if self.on_call is not None:
+                self.on_call(method, self.resource, time.perf_counter() - start, outcome)
+        raise AssertionError("unreachable")  # pragma: no cover - abort raises
+
+    def GetDevicePluginOptions(
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> pb.DevicePluginOptions:
+        return self.options
+
+    def _message(self) -> tuple[int, pb.ListAndWatchResponse]:
+        version, devices = self.core.device_list(self.resource)
+        cached = self._cache
+        if cached is None or cached[0] != version:
+            cached = (version, device_list_message(devices))
+            self._cache = cached
+        return cached
+
+    def ListAndWatch(
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> Iterator[pb.ListAndWatchResponse]:
+        with self._lock:
+            if self._streams >= MAX_WATCH_STREAMS:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"already {MAX_WATCH_STREAMS} ListAndWatch streams open for "
+                    f"{self.resource.value}; close one first",
+                )
+            self._streams += 1
+        try:
+            sent = -1
+            while context.is_active() and not self.stopping.is_set():
+                version, message = self._message()
+                if version != sent:
+                    yield message
+                    sent = version
+                self.core.wait_devices(sent, 1.0)
+        finally:
+            with self._lock:
+                self._streams -= 1
+
+    def _check_count(self, ids: Sequence[str], what: str) -> None:
+        if len(ids) > MAX_IDS_PER_REQUEST:
+            raise InvalidRequest(
+                f"{what} has {len(ids)} IDs, more than this node could ever advertise "
+                f"({MAX_IDS_PER_REQUEST})"
+            )
+
+    def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
+        def run() -> pb.PreferredAllocationResponse:
+            if not request.container_requests:
+                raise InvalidRequest("GetPreferredAllocation carried no container request")
+            out = pb.PreferredAllocationResponse()
+            for creq in request.container_requests:
+                self._check_count(creq.available_deviceIDs, "available_deviceIDs")
+                self._check_count(creq.must_include_deviceIDs, "must_include_deviceIDs")
+                ids = self.core.preferred(
+                    self.resource,
+                    list(creq.available_deviceIDs),
+                    list(creq.must_include_deviceIDs),
+                    creq.allocation_size,
+                )
+                out.container_responses.add(deviceIDs=ids)
+            return out
+
+        return self._guard("GetPreferredAllocation", context, run)
+
+    def Allocate(
+        self, request: pb.AllocateRequest, context: grpc.ServicerContext
+    ) -> pb.AllocateResponse:
+        def run() -> pb.AllocateResponse:
+            if not request.container_requests:
+                raise InvalidRequest("Allocate carried no container request")
+            out = pb.AllocateResponse()
+            for creq in request.container_requests:
+                self._check_count(creq.devices_ids, "devices_ids")
+                answer = self.core.allocate(self.resource, list(creq.devices_ids))
+                resp = out.container_responses.add()
+                resp.envs.update(answer.envs)
+                resp.annotations.update(answer.annotations)
+                for m in answer.mounts:
+                    resp.mounts.add(
+                        container_path=m.container_path,
+                        host_path=m.host_path,
+                        read_only=m.read_only,
+                    )
+                for d in answer.devices:
+                    resp.devices.add(
+                        container_path=d.container_path,
+                        host_path=d.host_path,
+                        permissions=d.permissions,
+                    )
+            return out
+
+        return self._guard("Allocate", context, run)
+
+    def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> pb.PreStartContainerResponse:
+        def run() -> pb.PreStartContainerResponse:
+            self._check_count(request.devices_ids, "devices_ids")
+            self.core.prestart(self.resource, list(request.devices_ids))
+            return pb.PreStartContainerResponse()
+
+        return self._guard("PreStartContainer", context, run)
+
+
+class PluginServer:
+    """One resource's gRPC server on its Unix socket in the device-plugin directory."""
+
+    def __init__(self, servicer: DevicePluginServicer, socket_path: Path, workers: int = 8) -> None:
+        self.servicer = servicer
+        self.socket_path = socket_path
+        self.workers = workers
+        self._server: grpc.Server | None = None
+
+    def start(self) -> None:
+        if self.socket_path.exists() or self.socket_path.is_socket():
+            self.socket_path.unlink()
+        server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=self.workers, thread_name_prefix=f"grpc-{self.servicer.resource.value}"
+            ),
+            maximum_concurrent_rpcs=self.workers * 4,
+            options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)],
+        )
+        pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        server.start()
+        self._server = server
+
+    def stop(self, grace_s: float = 0.5) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop(grace_s).wait(grace_s + 1.0)
+        try:
+            self.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class RegistrationError(Exception):
+    pass
+
+
+def register(
+    plugin_dir: Path,
+    endpoint: str,
+    resource_name: str,
+    options: pb.DevicePluginOptions,
+    timeout_s: float = 5.0,
+) -> None:
+    """Register one resource with the kubelet (kubelet.sock in plugin_dir)."""
+    target = f"unix://{plugin_dir / 'kubelet.sock'}"
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.RegistrationStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            stub.Register(
+                pb.RegisterRequest(
+                    version=API_VERSION,
+                    endpoint=endpoint,
+                    resource_name=resource_name,
+                    options=options,
+                ),
+                timeout=timeout_s,
+            )
+        except grpc.RpcError as exc:
+            raise RegistrationError(
+                f"registering {resource_name} with the kubelet failed: {exc.code().name}: "
+                f"{exc.details()}"
+            ) from exc

@@ -1,0 +1,76 @@
+"""Client of the kubelet's pod-resources API (v1.PodResourcesLister/List).
+
+It is the kubelet's own record of which device IDs each live container holds,
+so it is the truth for recovery and for learning who owns a placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from vgpu.pb import podresources_v1_pb2 as pr
+from vgpu.pb import podresources_v1_pb2_grpc as pr_grpc
+
+
+@dataclass(frozen=True)
+class ContainerDevices:
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+    device_ids: tuple[str, ...]
+
+
+class PodResourcesUnavailable(Exception):
+    pass
+
+
+class PodResourcesClient:
+    def __init__(self, socket_path: Path, timeout_s: float = 2.0) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self._channel: grpc.Channel | None = None
+
+    def _stub(self) -> pr_grpc.PodResourcesListerStub:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(
+                f"unix://{self.socket_path}",
+                options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)],
+            )
+        return pr_grpc.PodResourcesListerStub(self._channel)  # type: ignore[no-untyped-call]
+
+    def available(self) -> bool:
+        return self.socket_path.exists()
+
+    def list(self, resources: set[str]) -> list[ContainerDevices]:
+        """Every live container's IDs of the given resources."""
+        if not self.available():
+            raise PodResourcesUnavailable(f"{self.socket_path} does not exist")
+        try:
+            reply = self._stub().List(pr.ListPodResourcesRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            self.close()
+            raise PodResourcesUnavailable(f"List failed: {exc.code().name}") from exc
+        out = []
+        for pod in reply.pod_resources:
+            for container in pod.containers:
+                for devices in container.devices:
+                    if devices.resource_name in resources:
+                        out.append(
+                            ContainerDevices(
+                                pod.namespace,
+                                pod.name,
+                                container.name,
+                                devices.resource_name,
+                                tuple(devices.device_ids),
+                            )
+                        )
+        return out
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None

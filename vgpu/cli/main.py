@@ -1,0 +1,106 @@
+"""The `vgpu` command: it parses arguments and calls the composition root."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from vgpu import __version__
+from vgpu.core.errors import ConfigError
+
+SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--backend", {"choices": ["nvml", "mock"], "help": "nvml (real GPUs, default) or mock"}),
+    ("--mock-gpus", {"metavar": "FILE", "help": "mock cards: a JSON/YAML file or preset:2xH200"}),
+    ("--device-plugin-dir", {"metavar": "DIR", "help": "default /var/lib/kubelet/device-plugins"}),
+    ("--pod-resources-socket", {"metavar": "PATH", "help": "the kubelet's pod-resources socket"}),
+    ("--kubeconfig", {"metavar": "FILE", "help": "kubeconfig; default in-cluster or none"}),
+    ("--node-name", {"metavar": "NAME", "help": "this node (default: $NODE_NAME)"}),
+    ("--state-dir", {"metavar": "DIR", "help": "placements and configs (default /var/lib/vgpu)"}),
+    ("--resource-domain", {"metavar": "D", "help": "resource domain (default vendor.io)"}),
+    ("--memory-unit-mib", {"metavar": "N", "help": "MiB per vcuda-memory unit (default 256)"}),
+    ("--policy", {"choices": ["binpack", "spread"], "help": "card choice (default binpack)"}),
+    ("--ignored-xids", {"metavar": "LIST", "help": "comma-separated XIDs that are ignored"}),
+    ("--metrics-address", {"metavar": "HOST:PORT", "help": "serve /metrics and /healthz"}),
+    ("--log-format", {"choices": ["text", "json"], "help": "log format (default text)"}),
+    ("--log-level", {"choices": ["debug", "info", "warning", "error"]}),
+    ("--hook-library", {"metavar": "FILE", "help": "libvgpu.so to install and preload"}),
+    ("--hook-dir", {"metavar": "DIR", "help": "host dir for the hook (default /usr/local/vgpu)"}),
+    ("--api-wait-s", {"metavar": "S", "help": "longest wait for pod info at admission"}),
+    ("--reconcile-interval-s", {"metavar": "S", "help": "re-check period (default 10)"}),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vgpu", description="Fractional NVIDIA GPU slices for Kubernetes."
+    )
+    parser.add_argument("--version", action="version", version=f"vgpu {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the device plugin daemon")
+    serve.add_argument("--config", metavar="FILE", type=Path, help="YAML config file (version: v1)")
+    for flag, kwargs in SERVE_FLAGS:
+        serve.add_argument(flag, default=None, **kwargs)
+
+    demo = sub.add_parser("demo", help="mock GPUs against the built-in kubelet simulator")
+    demo.add_argument("--gpus", default="preset:2xH200", help="mock cards (default preset:2xH200)")
+    demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
+
+    status = sub.add_parser("status", help="show cards, slices and containers on this node")
+    status.add_argument("--state-dir", type=Path, default=None, help="default /var/lib/vgpu")
+    status.add_argument("-o", "--output", choices=["table", "json", "wide"], default="table")
+    status.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+
+    config = sub.add_parser("config", help="check or print a config file")
+    csub = config.add_subparsers(dest="config_command", required=True)
+    check = csub.add_parser("check", help="validate a config file without starting")
+    check.add_argument("file", type=Path)
+    csub.add_parser("default", help="print a commented default config file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "demo":
+            from vgpu.cli.demo import run_demo
+
+            return run_demo(args.gpus, keep=args.keep)
+        if args.command == "status":
+            from vgpu.cli.status import run_status
+
+            return run_status(args.state_dir, args.output, args.color)
+        if args.command == "config":
+            from vgpu import config
+
+            if args.config_command == "default":
+                sys.stdout.write(config.default_file())
+                return 0
+            config.load({}, {}, args.file)
+            print(f"{args.file}: ok")
+            return 0
+    except ConfigError as exc:
+        print(f"vgpu: {exc.message}", file=sys.stderr)
+        return 2
+    return 1  # pragma: no cover - argparse requires a command
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from vgpu import config
+    from vgpu.daemon import logs, wiring
+
+    flags = {
+        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+        for flag, _ in SERVE_FLAGS
+    }
+    settings = config.load(flags, config_file=args.config)
+    logs.configure(settings.log_format, settings.log_level)
+    return wiring.run(settings)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

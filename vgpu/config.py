@@ -1,0 +1,268 @@
+"""Settings: one versioned tree, validated once into a frozen value.
+
+Precedence, highest first (documented in the README, nowhere else):
+
+1. command-line flags of `vgpu serve`;
+2. environment variables ``VGPU_<KEY>`` (e.g. ``VGPU_MEMORY_UNIT_MIB=512``),
+   plus ``NODE_NAME`` for ``node_name`` (the downward API's usual name);
+3. the YAML config file given by ``--config`` / ``VGPU_CONFIG_FILE``;
+4. the defaults below.
+
+This module is the only reader of VGPU_* variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vgpu.core.errors import ConfigError
+from vgpu.core.health import DEFAULT_IGNORED_XIDS
+from vgpu.core.model import Policy
+
+CONFIG_VERSION = "v1"
+_DOMAIN_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)+$")
+_ADDRESS_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]*):(\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `vgpu serve` can be told. Units are in the names."""
+
+    backend: str = "nvml"
+    mock_gpus: Path | None = None
+    device_plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
+    pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    kubeconfig: Path | None = None
+    node_name: str | None = None
+    state_dir: Path = Path("/var/lib/vgpu")
+    resource_domain: str = "vendor.io"
+    memory_unit_mib: int = 256
+    policy: Policy = Policy.BINPACK
+    ignored_xids: tuple[int, ...] = tuple(sorted(DEFAULT_IGNORED_XIDS))
+    metrics_address: str | None = None
+    log_format: str = "text"
+    log_level: str = "info"
+    hook_library: Path | None = None
+    hook_dir: Path = Path("/usr/local/vgpu")
+    api_wait_s: float = 2.0
+    reconcile_interval_s: float = 10.0
+
+    def public(self) -> dict[str, Any]:
+        """The effective settings as plain data (for the start-up log and `config`)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, Policy):
+                value = value.value
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+
+# key -> (help text, allowed values text). The order is that of `config default`.
+KEYS: dict[str, str] = {
+    "backend": "where cards come from: nvml (real GPUs) or mock (a JSON/YAML file)",
+    "mock_gpus": "the mock backend's file of cards (required with backend: mock)",
+    "device_plugin_dir": "the kubelet's device-plugin directory",
+    "pod_resources_socket": "the kubelet's pod-resources socket",
+    "kubeconfig": "kubeconfig file; unset: in-cluster service account, or no API server",
+    "node_name": "this node's name (usually from NODE_NAME via the downward API)",
+    "state_dir": "where placements and per-container configs live (must survive reboots)",
+    "resource_domain": "domain of the two resources, e.g. vendor.io/vcuda-core",
+    "memory_unit_mib": "MiB per vcuda-memory unit (64-65536)",
+    "policy": "card choice for fractional slices: binpack (fullest card that fits) or spread",
+    "ignored_xids": "XIDs that do not mark a card unhealthy (application-level errors)",
+    "metrics_address": "HOST:PORT for Prometheus /metrics and /healthz; unset: off",
+    "log_format": "text or json",
+    "log_level": "debug, info, warning or error",
+    "hook_library": "the enforcement library (libvgpu.so) to install; unset: no enforcement",
+    "hook_dir": "host directory the library is installed into and mounted from",
+    "api_wait_s": "longest wait for a pod to appear in the API cache at admission (0-2)",
+    "reconcile_interval_s": "how often to re-check the kubelet for finished pods (1-3600)",
+}
+_PATHS = {
+    "mock_gpus",
+    "device_plugin_dir",
+    "pod_resources_socket",
+    "kubeconfig",
+    "state_dir",
+    "hook_library",
+    "hook_dir",
+}
+_OPTIONAL = {"mock_gpus", "kubeconfig", "node_name", "metrics_address", "hook_library"}
+
+
+def _convert(key: str, value: Any, source: str) -> Any:
+    """One raw value (str from env/flags, any from YAML) -> its typed form."""
+
+    def bad(allowed: str) -> ConfigError:
+        return ConfigError(f"{source}: {key}={value!r} is invalid; allowed: {allowed}")
+
+    if value is None or value == "":
+        if key in _OPTIONAL:
+            return None
+        raise bad("a value (this key cannot be empty)")
+    if key in _PATHS:
+        if not isinstance(value, str | Path):
+            raise bad("a file system path")
+        return Path(value)
+    if key == "backend":
+        if value not in ("nvml", "mock"):
+            raise bad("nvml or mock")
+        return value
+    if key == "policy":
+        try:
+            return Policy(value)
+        except ValueError:
+            raise bad("binpack or spread") from None
+    if key == "log_format":
+        if value not in ("text", "json"):
+            raise bad("text or json")
+        return value
+    if key == "log_level":
+        if str(value).lower() not in ("debug", "info", "warning", "error"):
+            raise bad("debug, info, warning or error")
+        return str(value).lower()
+    if key == "resource_domain":
+        if not isinstance(value, str) or not _DOMAIN_RE.match(value) or len(value) > 200:
+            raise bad("a DNS domain such as vendor.io (not kubernetes.io)")
+        if value == "kubernetes.io" or value.endswith(".kubernetes.io"):
+            raise bad("a domain outside kubernetes.io, which is reserved")
+        return value
+    if key == "memory_unit_mib":
+        return _int(value, 64, 65536, bad)
+    if key == "api_wait_s":
+        return _float(value, 0.0, 2.0, bad)
+    if key == "reconcile_interval_s":
+        return _float(value, 1.0, 3600.0, bad)
+    if key == "ignored_xids":
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list | tuple):
+            raise bad("a list of XID numbers, e.g. [13, 31, 43]")
+        return tuple(sorted({_int(i, 1, 1000, bad) for i in items if str(i).strip() != ""}))
+    if key == "metrics_address":
+        match = _ADDRESS_RE.match(str(value))
+        if not match or not 0 < int(match.group(2)) < 65536:
+            raise bad("HOST:PORT, e.g. 0.0.0.0:9400 or 127.0.0.1:9400")
+        return str(value)
+    if key == "node_name":
+        return str(value)
+    raise ConfigError(f"{source}: unknown key {key!r}")  # pragma: no cover - guarded by KEYS
+
+
+def _int(value: Any, low: int, high: int, bad: Any) -> int:
+    if isinstance(value, bool):
+        raise bad(f"a whole number from {low} to {high}")
+    try:
+        number = int(str(value).strip()) if not isinstance(value, int) else value
+    except ValueError:
+        raise bad(f"a whole number from {low} to {high}") from None
+    if not low <= number <= high:
+        raise bad(f"a whole number from {low} to {high}")
+    return number
+
+
+def _float(value: Any, low: float, high: float, bad: Any) -> float:
+    if isinstance(value, bool):
+        raise bad(f"a number from {low} to {high}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise bad(f"a number from {low} to {high}") from None
+    if not low <= number <= high:
+        raise bad(f"a number from {low} to {high}")
+    return number
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """Parse and check a config file's shape; ConfigError names the line or key."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "syntax error"
+        raise ConfigError(f"config file {path}: YAML {problem}{where}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping of keys")
+    version = data.pop("version", None)
+    if version != CONFIG_VERSION:
+        raise ConfigError(
+            f"config file {path}: version={version!r} is not supported; "
+            f"write 'version: {CONFIG_VERSION}' as the first line"
+        )
+    for key in data:
+        if key not in KEYS:
+            raise ConfigError(
+                f"config file {path}: unknown key {key!r}; known keys: {', '.join(KEYS)}"
+            )
+    return data
+
+
+def load(
+    flags: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+) -> Settings:
+    """Merge flags > env > file > defaults, validate, and return Settings."""
+    env = os.environ if env is None else env
+    raw: dict[str, tuple[Any, str]] = {}
+    file_path = config_file or (
+        Path(env["VGPU_CONFIG_FILE"]) if env.get("VGPU_CONFIG_FILE") else None
+    )
+    if file_path is not None:
+        for key, value in read_file(file_path).items():
+            raw[key] = (value, f"config file {file_path}")
+    if env.get("NODE_NAME"):
+        raw["node_name"] = (env["NODE_NAME"], "environment NODE_NAME")
+    for key in KEYS:
+        name = "VGPU_" + key.upper()
+        if name in env:
+            raw[key] = (env[name], f"environment {name}")
+    for key, value in flags.items():
+        if key not in KEYS:
+            raise ConfigError(f"unknown setting {key!r}")
+        if value is not None:
+            raw[key] = (value, f"flag --{key.replace('_', '-')}")
+    values = {key: _convert(key, value, source) for key, (value, source) in raw.items()}
+    settings = Settings(**values)
+    if settings.backend == "mock" and settings.mock_gpus is None:
+        raise ConfigError(
+            "backend=mock needs mock_gpus: pass --mock-gpus FILE (a JSON/YAML list of cards)"
+        )
+    return settings
+
+
+def default_file() -> str:
+    """A commented config file holding every key at its default."""
+    defaults = Settings().public()
+    lines = [
+        "# vgpu configuration file (vgpu serve --config FILE).",
+        "# Precedence: command-line flags > VGPU_<KEY> environment > this file > defaults.",
+        f"version: {CONFIG_VERSION}",
+    ]
+    for key, help_text in KEYS.items():
+        lines.append(f"# {help_text}")
+        value = defaults[key]
+        dumped = yaml.safe_dump({key: value}, default_flow_style=True).strip()[1:-1]
+        lines.append(dumped if value is not None else f"# {key}:")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,694 @@
+"""The placement ledger: which card every container's slices live on.
+
+Pure and I/O-free: the daemon feeds it what the kubelet sent, the containers
+the API server knows about and the current time, and holds a lock around it.
+
+How a container is placed. The kubelet admits one container at a time and,
+per container, calls GetPreferredAllocation then Allocate once per resource,
+in random resource order, with device IDs only. The ledger
+
+1. at the first resource's GetPreferredAllocation, matches the call to a
+   container of a pod on this node (oldest first, asking exactly this many
+   units of this resource), decides its card(s) from BOTH of its requests and
+   opens an in-flight *pending* placement;
+2. steers the second resource of the same container to the same card(s);
+3. at Allocate, derives the card from the IDs themselves, checks they form a
+   valid placement and records it under a key derived from the IDs (the
+   kubelet's own record), never from a guessed pod.
+
+Without pod information (API server down, or the pod is not in the cache yet)
+the fallback rule is: the first resource picks by policy among cards where it
+fits, preferring the card with the most free of the other resource, and the
+other resource, if it follows, is steered to the same card. The kubelet only
+hands out advertised, unallocated IDs, so no rule here can overcommit a card.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from vgpu.core.errors import (
+    InsufficientCapacity,
+    InvalidRequest,
+    PlacementConflict,
+    UnknownDevice,
+)
+from vgpu.core.model import (
+    CORE_UNITS_PER_CARD,
+    Card,
+    CardUuid,
+    ContainerSpec,
+    DeviceId,
+    Owner,
+    Placement,
+    Policy,
+    Request,
+    Resource,
+)
+from vgpu.core.slicing import card_device_ids, parse_device_id, units_per_card
+
+# A placement whose IDs the kubelet does not list yet is kept this long: the
+# kubelet records an allocation only after our Allocate answer reached it.
+RECONCILE_GRACE_S = 30.0
+MAX_IDS_IN_MESSAGE = 8
+
+
+@dataclass(frozen=True)
+class CardUsage:
+    """How much of one card is sliced out."""
+
+    card: Card
+    core_used: int  # percent, counted from held core IDs (a whole card holds 100)
+    memory_used_units: int
+    exclusive: bool  # held whole by one container
+    holders: int  # placements on the card
+
+    def core_free(self) -> int:
+        return CORE_UNITS_PER_CARD - self.core_used
+
+    def memory_free_units(self, unit_mib: int) -> int:
+        return self.card.memory_units(unit_mib) - self.memory_used_units
+
+    @property
+    def empty(self) -> bool:
+        return self.holders == 0
+
+
+@dataclass
+class _Pending:
+    """The container being admitted right now (admission is serialized per node)."""
+
+    cards: tuple[CardUuid, ...]
+    request: Request
+    expected: frozenset[Resource] | None  # None: unknown, no pod information
+    spec: ContainerSpec | None
+    steered: set[Resource] = field(
+        default_factory=set
+    )  # resources GetPreferredAllocation sent here
+    key: str | None = None  # set by the first Allocate
+    allocated: set[Resource] = field(default_factory=set)
+
+
+def _short(ids: Iterable[str]) -> str:
+    items = sorted(ids)
+    head = ", ".join(items[:MAX_IDS_IN_MESSAGE])
+    more = len(items) - MAX_IDS_IN_MESSAGE
+    return head + (f" (+{more} more)" if more > 0 else "")
+
+
+def placement_key(ids: Iterable[DeviceId]) -> str:
+    digest = hashlib.sha256("\n".join(sorted(ids)).encode()).hexdigest()
+    return "p" + digest[:20]
+
+
+class Ledger:
+    """All cards of the node and every placement on them."""
+
+    def __init__(
+        self,
+        cards: Iterable[Card],
+        *,
+        memory_unit_mib: int,
+        policy: Policy = Policy.BINPACK,
+        domain: str = "vendor.io",
+    ) -> None:
+        self.memory_unit_mib = memory_unit_mib
+        self.policy = policy
+        self.domain = domain
+        self.cards: dict[CardUuid, Card] = {}
+        self._index: dict[str, tuple[CardUuid, Resource, int]] = {}
+        self.placements: dict[str, Placement] = {}
+        self._holders: dict[DeviceId, set[str]] = {}
+        self._held: dict[tuple[CardUuid, Resource], set[DeviceId]] = {}
+        self._card_keys: dict[CardUuid, set[str]] = {}
+        self.set_cards(cards)
+        self._pending: _Pending | None = None
+        self._claimed: set[tuple[str, str]] = set()
+
+    # ----------------------------------------------------------------- views
+
+    def set_cards(self, cards: Iterable[Card]) -> None:
+        """Replace the card list (health changes, a card gone). Placements stay."""
+        self.cards = {c.uuid: c for c in cards}
+        self._index = {
+            device_id: (card.uuid, resource, i)
+            for card in self.cards.values()
+            for resource in Resource
+            for i, device_id in enumerate(card_device_ids(card, resource, self.memory_unit_mib))
+        }
+
+    def lookup(self, device_id: str) -> tuple[CardUuid, Resource, int] | None:
+        """(card, resource, index) of an advertised ID, None for anything else."""
+        return self._index.get(device_id)
+
+    def holders_of(self, device_id: DeviceId) -> frozenset[str]:
+        return frozenset(self._holders.get(device_id, ()))
+
+    def held_ids(self) -> frozenset[DeviceId]:
+        return frozenset(self._holders)
+
+    def usage(self, card: CardUuid) -> CardUsage:
+        keys = self._card_keys.get(card, set())
+        return CardUsage(
+            self.cards[card],
+            len(self._held.get((card, Resource.CORE), ())),
+            len(self._held.get((card, Resource.MEMORY), ())),
+            any(self.placements[k].whole for k in keys),
+            len(keys),
+        )
+
+    def usages(self) -> list[CardUsage]:
+        return [self.usage(u) for u in sorted(self.cards, key=lambda u: self.cards[u].index)]
+
+    def placements_on(self, card: CardUuid) -> list[Placement]:
+        return [self.placements[k] for k in sorted(self._card_keys.get(card, ()))]
+
+    def describe_free(self) -> str:
+        parts = []
+        for u in self.usages():
+            state = "healthy" if u.card.healthy else "UNHEALTHY"
+            if u.exclusive:
+                state += ", held whole"
+            parts.append(
+                f"card {u.card.index} ({u.card.uuid}, {state}): {u.core_free()} core free, "
+                f"{u.memory_free_units(self.memory_unit_mib)} memory units free"
+            )
+        return "; ".join(parts) if parts else "no cards on this node"
+
+    # --------------------------------------------------------- bookkeeping
+
+    def restore(self, placement: Placement) -> None:
+        """Record a placement recovered from state or from the kubelet."""
+        self.placements[placement.key] = placement
+        for card in placement.cards:
+            self._card_keys.setdefault(card, set()).add(placement.key)
+        for device_id in placement.all_ids():
+            self._holders.setdefault(device_id, set()).add(placement.key)
+            card, resource, _ = parse_device_id(device_id)
+            self._held.setdefault((card, resource), set()).add(device_id)
+
+    def release(self, key: str) -> Placement | None:
+        placement = self.placements.pop(key, None)
+        if placement is None:
+            return None
+        for card in placement.cards:
+            self._card_keys.get(card, set()).discard(key)
+        for device_id in placement.all_ids():
+            holders = self._holders.get(device_id)
+            if holders is not None:
+                holders.discard(key)
+                if not holders:
+                    del self._holders[device_id]
+                    card, resource, _ = parse_device_id(device_id)
+                    self._held.get((card, resource), set()).discard(device_id)
+        if self._pending is not None and self._pending.key == key:
+            self._pending = None
+        return placement
+
+    def set_owner(self, key: str, owner: Owner) -> Placement | None:
+        placement = self.placements.get(key)
+        if placement is None or placement.owner == owner:
+            return None
+        updated = replace(placement, owner=owner)
+        self.placements[key] = updated
+        self._claimed.add((owner.pod_uid, owner.container))
+        return updated
+
+    def prune_claims(self, live: Collection[tuple[str, str]]) -> None:
+        """Forget claims on containers of pods that are gone."""
+        self._claimed &= set(live)
+
+    def reconcile(self, live_ids: Collection[DeviceId], now_s: float) -> list[Placement]:
+        """Release placements the kubelet no longer lists (pod deleted or finished).
+
+        `live_ids` are every device ID of ours that the kubelet's pod-resources
+        API lists for an active container. A placement younger than the grace
+        period, or the one being admitted, is kept.
+        """
+        released = []
+        pending_key = self._pending.key if self._pending else None
+        for key, placement in list(self.placements.items()):
+            if key == pending_key or now_s - placement.created_s < RECONCILE_GRACE_S:
+                continue
+            if not placement.all_ids() & frozenset(live_ids):
+                self.release(key)
+                released.append(placement)
+        return released
+
+    def _release_offered(self, resource: Resource, available: Collection[DeviceId]) -> list[str]:
+        """IDs the kubelet offers as free are not held by any live container."""
+        dead = set()
+        for device_id in available:
+            dead |= self._holders.get(device_id, set())
+        released = []
+        for key in dead:
+            placement = self.placements.get(key)
+            if placement is not None and placement.ids.get(resource, frozenset()) & set(available):
+                self.release(key)
+                released.append(key)
+        return released
+
+    # ------------------------------------------------------------- choosing
+
+    def _free(self, card: CardUuid, resource: Resource, offered: dict[CardUuid, int] | None) -> int:
+        """Free units of `resource` on a card: the kubelet's offer when we have it."""
+        if offered is not None:
+            return offered.get(card, 0)
+        usage = self.usage(card)
+        if resource is Resource.CORE:
+            return usage.core_free()
+        return usage.memory_free_units(self.memory_unit_mib)
+
+    def _refuse(self, request: Request, why: str) -> InsufficientCapacity:
+        return InsufficientCapacity(
+            f"no card on this node can hold {self.describe_request(request)}: {why}. "
+            f"Free per card: {self.describe_free()}. Wait for running slices to finish, "
+            "request less, or let the scheduler place the pod on another node."
+        )
+
+    def describe_request(self, request: Request) -> str:
+        parts = []
+        if request.core_percent:
+            parts.append(f"{Resource.CORE.full_name(self.domain)}={request.core_percent}")
+        if request.memory_units:
+            mib = request.memory_units * self.memory_unit_mib
+            parts.append(
+                f"{Resource.MEMORY.full_name(self.domain)}={request.memory_units} ({mib} MiB)"
+            )
+        return " + ".join(parts) or "nothing"
+
+    def validate_request(self, request: Request) -> None:
+        core, mem = request.core_percent, request.memory_units
+        core_name = Resource.CORE.full_name(self.domain)
+        mem_name = Resource.MEMORY.full_name(self.domain)
+        if core > CORE_UNITS_PER_CARD and core % CORE_UNITS_PER_CARD:
+            raise InvalidRequest(
+                f"{core_name}={core} is neither a fraction of one card (1-99) nor whole cards "
+                f"(100, 200, ...): request {core // 100 * 100} or {(core // 100 + 1) * 100}"
+            )
+        if 0 < core < CORE_UNITS_PER_CARD and mem == 0:
+            raise InvalidRequest(
+                f"{core_name}={core} is a fractional slice and must come with {mem_name}: "
+                f"add e.g. '{mem_name}: 16' (1 unit = {self.memory_unit_mib} MiB) to the "
+                "container's limits"
+            )
+
+    def _choose_fractional(
+        self,
+        request: Request,
+        resource: Resource,
+        offered: dict[CardUuid, int],
+        known_other: bool,
+    ) -> CardUuid:
+        fits: list[tuple[float, float, int, CardUuid]] = []
+        for usage in self.usages():
+            card = usage.card
+            if not card.healthy or usage.exclusive:
+                continue
+            if self._free(card.uuid, resource, offered) < request.units(resource):
+                continue
+            other = resource.other
+            other_free = self._free(card.uuid, other, None)
+            if other_free < request.units(other):
+                continue
+            fullness = usage.core_used / CORE_UNITS_PER_CARD + usage.memory_used_units / max(
+                1, card.memory_units(self.memory_unit_mib)
+            )
+            if not known_other:
+                # Fallback without pod information: keep the most room for the
+                # other resource, which may follow.
+                score = -float(other_free)
+            elif self.policy is Policy.BINPACK:
+                score = -fullness
+            else:
+                score = fullness
+            fits.append((score, 0.0, card.index, card.uuid))
+        if not fits:
+            raise self._refuse(request, "no single card has that much free")
+        return min(fits)[3]
+
+    def _choose_whole(
+        self, request: Request, resource: Resource, offered: dict[CardUuid, int]
+    ) -> tuple[CardUuid, ...]:
+        count = request.whole_cards
+        empty = [
+            u.card
+            for u in self.usages()
+            if u.card.healthy
+            and u.empty
+            and self._free(u.card.uuid, resource, offered)
+            == units_per_card(u.card, resource, self.memory_unit_mib)
+        ]
+        if len(empty) < count:
+            raise self._refuse(request, f"only {len(empty)} card(s) are entirely free")
+        # Prefer cards on the same NUMA node, then the lowest index.
+        by_numa: dict[int, list[Card]] = {}
+        for card in empty:
+            by_numa.setdefault(card.numa_node if card.numa_node is not None else -1, []).append(
+                card
+            )
+        groups = sorted(by_numa.values(), key=lambda g: (len(g) < count, g[0].index))
+        chosen = (
+            groups[0][:count]
+            if len(groups[0]) >= count
+            else sorted(empty, key=lambda c: c.index)[:count]
+        )
+        memory_room = sum(c.memory_units(self.memory_unit_mib) for c in chosen)
+        if request.memory_units > memory_room:
+            raise InvalidRequest(
+                f"{self.describe_request(request)}: the memory does not fit in {count} whole "
+                f"card(s) ({memory_room} units); request at most {memory_room} units or more cards"
+            )
+        return tuple(c.uuid for c in chosen)
+
+    def _match(
+        self, resource: Resource, size: int, candidates: Sequence[ContainerSpec]
+    ) -> ContainerSpec | None:
+        for spec in candidates:
+            if spec.ident not in self._claimed and spec.request.units(resource) == size:
+                return spec
+        return None
+
+    def _ids_on(
+        self,
+        cards: Sequence[CardUuid],
+        available: Sequence[DeviceId],
+        must_include: Sequence[DeviceId],
+        size: int,
+    ) -> list[DeviceId]:
+        chosen = list(dict.fromkeys(must_include))
+        taken = set(chosen)
+        order = {c: i for i, c in enumerate(cards)}
+        ranked = sorted(
+            (d for d in available if d not in taken and self._index[d][0] in order),
+            key=lambda d: (order[self._index[d][0]], self._index[d][2]),
+        )
+        for device_id in ranked:
+            if len(chosen) >= size:
+                break
+            chosen.append(device_id)
+        return chosen
+
+    # ---------------------------------------------------- the kubelet's calls
+
+    def preferred(
+        self,
+        resource: Resource,
+        available: Sequence[str],
+        must_include: Sequence[str],
+        size: int,
+        candidates: Sequence[ContainerSpec] = (),
+    ) -> tuple[list[DeviceId], list[str]]:
+        """Answer GetPreferredAllocation: exactly `size` IDs on the right card(s).
+
+        Returns the IDs and the keys of placements found dead on the way.
+        """
+        if size <= 0:
+            raise InvalidRequest(
+                f"allocation_size {size} for {resource.full_name(self.domain)} must be positive"
+            )
+        self._check_ids(resource, must_include, "must_include_deviceIDs")
+        must = [DeviceId(d) for d in must_include]
+        avail = [d for d in self._known(resource, available) if d not in set(must)]
+        released = self._release_offered(resource, avail)
+        if len(must) >= size:
+            return must[:size], released
+        offered: dict[CardUuid, int] = {}
+        for device_id in avail:
+            card = self._index[device_id][0]
+            offered[card] = offered.get(card, 0) + 1
+
+        spec = self._match(resource, size, candidates)
+        pending = self._pending
+        if pending is not None and not must and self._continues(pending, resource, size, spec):
+            ids = self._ids_on(pending.cards, avail, must, size)
+            if len(ids) < size:
+                raise self._refuse(
+                    pending.request,
+                    f"{resource.full_name(self.domain)} must land on card(s) "
+                    f"{', '.join(pending.cards)} with the container's other resource, and only "
+                    f"{len(ids)} of {size} units are free there",
+                )
+            pending.steered.add(resource)
+            return ids, released
+
+        # A new container.
+        self._pending = None
+        if spec is not None:
+            request = spec.request
+            self.validate_request(request)
+        else:
+            request = (
+                Request(core_percent=size)
+                if resource is Resource.CORE
+                else Request(memory_units=size)
+            )
+            self._validate_partial(request)
+        if must:
+            cards = tuple(dict.fromkeys(self._index[d][0] for d in must))
+        elif request.whole_cards:
+            cards = self._choose_whole(request, resource, offered)
+        else:
+            cards = (self._choose_fractional(request, resource, offered, spec is not None),)
+        ids = self._ids_on(cards, avail, must, size)
+        if len(ids) < size:
+            raise self._refuse(request, f"only {len(ids)} of {size} units free on the chosen card")
+        self._pending = _Pending(
+            cards=cards,
+            request=request,
+            expected=request.resources if spec is not None else None,
+            spec=spec,
+            steered={resource},
+        )
+        if spec is not None:
+            self._claimed.add(spec.ident)
+        return ids, released
+
+    def needs_pod_info(
+        self, resource: Resource, size: int, candidates: Sequence[ContainerSpec]
+    ) -> bool:
+        """Would a GetPreferredAllocation now fall back for lack of a matching pod?"""
+        pending = self._pending
+        if pending is not None and self._continues(pending, resource, size, None):
+            return False
+        return self._match(resource, size, candidates) is None
+
+    @staticmethod
+    def _continues(
+        pending: _Pending, resource: Resource, size: int, spec: ContainerSpec | None
+    ) -> bool:
+        """Is this call the in-flight container's other resource?"""
+        if resource in pending.allocated:
+            return False
+        if pending.spec is not None:
+            return (
+                pending.expected is not None
+                and resource in pending.expected
+                and pending.spec.request.units(resource) == size
+            )
+        # No pod information for the in-flight container: pair with it unless
+        # the API server names an unplaced container that asks exactly this.
+        return spec is None
+
+    def _validate_partial(self, request: Request) -> None:
+        """Checks that hold without knowing the container's other resource."""
+        self.validate_request(replace(request, memory_units=max(request.memory_units, 1)))
+
+    def _known(self, resource: Resource, ids: Iterable[str]) -> list[DeviceId]:
+        """The advertised IDs of `resource` among `ids` (others are ignored)."""
+        out = []
+        for raw in ids:
+            found = self._index.get(raw)
+            if found is not None and found[1] is resource:
+                out.append(DeviceId(raw))
+        return out
+
+    def _check_ids(self, resource: Resource, ids: Sequence[str], what: str) -> None:
+        """Every ID must be ours, of this resource, on a known card, and unique."""
+        if len(set(ids)) != len(ids):
+            dupes = {d for d in ids if ids.count(d) > 1}
+            raise InvalidRequest(f"{what} lists the same device ID twice: {_short(dupes)}")
+        unknown: list[str] = []
+        other: list[str] = []
+        for raw in ids:
+            found = self._index.get(raw)
+            if found is None:
+                unknown.append(raw)
+            elif found[1] is not resource:
+                other.append(raw)
+        if unknown:
+            raise UnknownDevice(
+                f"{what} has {len(unknown)} device ID(s) this node never advertised for "
+                f"{resource.full_name(self.domain)}: {_short(d[:80] for d in unknown)}. Only pass "
+                "IDs from this plugin's ListAndWatch",
+                tuple(unknown),
+            )
+        if other:
+            raise InvalidRequest(
+                f"{what} for {resource.full_name(self.domain)} contains IDs of "
+                f"{resource.other.full_name(self.domain)}: {_short(other)}; send each resource's "
+                "IDs to its own plugin socket"
+            )
+
+    def allocate(
+        self,
+        resource: Resource,
+        device_ids: Sequence[str],
+        candidates: Sequence[ContainerSpec] = (),
+        now_s: float = 0.0,
+    ) -> Placement:
+        """Answer Allocate: validate the IDs and record (or replay) the placement."""
+        if not device_ids:
+            raise InvalidRequest(
+                f"Allocate for {resource.full_name(self.domain)} carried no device IDs"
+            )
+        self._check_ids(resource, device_ids, "devices_ids")
+        ids = frozenset(DeviceId(d) for d in device_ids)
+
+        # The kubelet replays, or an app container reuses an init container's IDs.
+        for placement in self.placements.values():
+            if placement.ids.get(resource) == ids:
+                return placement
+
+        cards = tuple(
+            sorted({parse_device_id(d)[0] for d in ids}, key=lambda c: self.cards[c].index)
+        )
+        pending = self._pending
+        joins = (
+            pending is not None
+            and resource not in pending.allocated
+            and (pending.expected is None or resource in pending.expected)
+            and (resource in pending.steered or pending.key is not None)
+        )
+        if pending is not None and joins and not set(cards) <= set(pending.cards):
+            if resource in pending.steered or pending.expected is not None:
+                raise PlacementConflict(
+                    f"{resource.full_name(self.domain)} IDs are on card(s) {', '.join(cards)} but "
+                    f"this container's other resource is on {', '.join(pending.cards)}; a "
+                    "container's core and memory must share a card. The kubelet did not use "
+                    "the preferred allocation: check that GetPreferredAllocation is enabled"
+                )
+            joins = False
+        if not joins:
+            pending = None
+
+        count = len(ids)
+        if resource is Resource.CORE:
+            whole = count >= CORE_UNITS_PER_CARD
+            if whole:
+                self._check_whole(ids, cards)
+            elif len(cards) > 1:
+                raise InvalidRequest(
+                    f"a fractional {resource.full_name(self.domain)}={count} must come from one "
+                    f"card, got IDs on {len(cards)} cards: {', '.join(cards)}"
+                )
+        elif len(cards) > 1 and not (pending is not None and pending.request.whole_cards):
+            raise InvalidRequest(
+                f"{resource.full_name(self.domain)}={count} must come from one card unless it "
+                f"goes with whole cards; got IDs on {len(cards)} cards: {', '.join(cards)}"
+            )
+
+        own_key = pending.key if pending is not None else None
+        for card in cards:
+            if not self.cards[card].healthy:
+                raise PlacementConflict(
+                    f"card {card} is unhealthy (xid {self.cards[card].xid}); nothing new is "
+                    "placed on it. The kubelet will stop offering its IDs within a second"
+                )
+            for other in self.placements_on(card):
+                if other.key == own_key or other.ids.get(resource, frozenset()) & ids:
+                    continue  # our own pending placement, or a reuse of this pod's IDs
+                if other.whole or (resource is Resource.CORE and count >= CORE_UNITS_PER_CARD):
+                    raise PlacementConflict(
+                        f"card {card} is held whole by another container "
+                        f"({_owner_text(other)}) or is asked whole while others use it; "
+                        "whole cards are exclusive"
+                    )
+
+        request = pending.request if pending is not None else Request()
+        if pending is None and resource is Resource.CORE and 0 < count < CORE_UNITS_PER_CARD:
+            spec = self._match(resource, count, candidates)
+            if spec is not None:
+                self.validate_request(spec.request)
+
+        if pending is not None and pending.key is not None:
+            base = self.placements[pending.key]
+            new_ids = dict(base.ids)
+            new_ids[resource] = ids
+            placement = replace(base, ids=new_ids, cards=tuple(dict.fromkeys(base.cards + cards)))
+            self.release(base.key)
+            self._pending = pending
+        else:
+            core = request.core_percent
+            mem_units = request.memory_units
+            placement = Placement(
+                key=placement_key(ids),
+                cards=cards,
+                ids={resource: ids},
+                core_percent=0,
+                memory_mib=0,
+                owner=pending.spec.owner() if pending is not None and pending.spec else None,
+                created_s=now_s,
+            )
+            placement = self._with_limits(placement, core, mem_units)
+        placement = self._with_limits(
+            placement,
+            count if resource is Resource.CORE else placement.core_percent,
+            count if resource is Resource.MEMORY else None,
+        )
+        self.restore(placement)
+        if pending is not None:
+            pending.key = placement.key
+            pending.allocated.add(resource)
+            if pending.expected is not None and pending.expected <= pending.allocated:
+                self._pending = None
+        else:
+            self._pending = _Pending(
+                cards=cards,
+                request=Request(),
+                expected=None,
+                spec=None,
+                key=placement.key,
+                allocated={resource},
+            )
+        return placement
+
+    def _with_limits(self, placement: Placement, core: int, mem_units: int | None) -> Placement:
+        """Core percent per card and per-card memory limit (none for whole cards)."""
+        whole = core >= CORE_UNITS_PER_CARD
+        memory_mib = placement.memory_mib
+        if whole:
+            memory_mib = 0
+        elif mem_units is not None:
+            memory_mib = mem_units * self.memory_unit_mib
+        return replace(
+            placement, core_percent=CORE_UNITS_PER_CARD if whole else core, memory_mib=memory_mib
+        )
+
+    def _check_whole(self, ids: frozenset[DeviceId], cards: Sequence[CardUuid]) -> None:
+        count = len(ids)
+        if count % CORE_UNITS_PER_CARD:
+            raise InvalidRequest(
+                f"{Resource.CORE.full_name(self.domain)}={count} is neither a fraction of one "
+                "card (1-99) nor whole cards (100, 200, ...)"
+            )
+        if len(cards) != count // CORE_UNITS_PER_CARD:
+            raise InvalidRequest(
+                f"a whole-card request for {count // 100} card(s) must receive all 100 core IDs "
+                f"of each card, got IDs spread over {len(cards)} cards; enable "
+                "GetPreferredAllocation so the plugin can choose"
+            )
+
+    def pending_summary(self) -> str | None:
+        if self._pending is None:
+            return None
+        return f"cards={','.join(self._pending.cards)} request={self._pending.request}"
+
+
+def _owner_text(placement: Placement) -> str:
+    if placement.owner is None:
+        return f"placement {placement.key}"
+    o = placement.owner
+    return f"{o.namespace}/{o.pod}/{o.container}"

@@ -1,0 +1,498 @@
+"""The plugin service: the ledger behind a lock, fed by the kubelet's calls,
+the GPU backend, the pod cache and the kubelet's pod-resources API.
+
+It implements the servicer's PluginCore port for both resources.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from vgpu.adapters.fs import ContainerStore, atomic_write
+from vgpu.adapters.kube import PodSource
+from vgpu.adapters.kubelet.servicer import AllocationAnswer, DeviceNode, DeviceView, MountSpec
+from vgpu.adapters.podresources import PodResourcesClient, PodResourcesUnavailable
+from vgpu.core.errors import InsufficientCapacity
+from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
+from vgpu.core.model import (
+    CORE_UNITS_PER_CARD,
+    Card,
+    CardUuid,
+    DeviceId,
+    Owner,
+    Placement,
+    Policy,
+    Resource,
+)
+from vgpu.core.packing import Ledger, placement_key
+from vgpu.core.slicing import card_device_ids
+
+log = logging.getLogger("vgpu")
+
+CONFIG_MOUNT = "/etc/vgpu"
+SHARED_MOUNT = "/var/run/vgpu"
+HOOK_MOUNT_DIR = "/usr/local/vgpu"
+CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+OWNER_SYNC_DELAY_S = 0.3
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    domain: str
+    memory_unit_mib: int
+    policy: Policy
+    ignored_xids: tuple[int, ...]
+    api_wait_s: float
+    hook_path: Path | None = None  # installed library on the host
+
+
+class PluginService:
+    def __init__(
+        self,
+        options: ServiceOptions,
+        store: ContainerStore,
+        pods: PodSource,
+        podresources: PodResourcesClient | None,
+        node_file: Path | None = None,
+        clock: Callable[[], float] = time.time,
+        events: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.options = options
+        self.store = store
+        self.pods = pods
+        self.podresources = podresources
+        self.node_file = node_file
+        self.clock = clock
+        self.events = events or (lambda kind, fields: None)
+        self.ledger = Ledger(
+            [],
+            memory_unit_mib=options.memory_unit_mib,
+            policy=options.policy,
+            domain=options.domain,
+        )
+        self.tracker = HealthTracker(options.ignored_xids)
+        self._lock = threading.RLock()
+        self._dev_cond = threading.Condition()
+        self._dev_version = 0
+        self._views: dict[Resource, tuple[DeviceView, ...]] = {r: () for r in Resource}
+        self._owner_timer: threading.Timer | None = None
+        self._podres_warned = False
+        self._api_degraded = False
+        self.refusals: dict[str, int] = {}
+
+    # ------------------------------------------------------------ cards
+
+    def resource_name(self, resource: Resource) -> str:
+        return resource.full_name(self.options.domain)
+
+    def _judge(self, card: Card, previous: Card | None) -> Card:
+        """Apply the XID filter to a card as the backend reported it."""
+        if card.xid is not None and card.healthy:
+            return self.tracker.apply(replace(card, xid=None), HealthEvent(card.uuid, xid=card.xid))
+        return card
+
+    def set_cards(self, cards: Sequence[Card]) -> None:
+        with self._lock:
+            before = dict(self.ledger.cards)
+            judged = [self._judge(c, before.get(c.uuid)) for c in cards]
+            self.ledger.set_cards(judged)
+            for card in judged:
+                self._log_health(before.get(card.uuid), card)
+            for uuid in set(before) - {c.uuid for c in judged}:
+                log.error("card %s disappeared; %s", uuid, self._victims(uuid))
+                self.events("card_gone", {"card": uuid})
+            self._publish()
+
+    def on_event(self, event: HealthEvent) -> None:
+        with self._lock:
+            card = self.ledger.cards.get(event.card)
+            if card is None:
+                return
+            updated = self.tracker.apply(card, event)
+            if updated is card:
+                return
+            self.ledger.set_cards(
+                [updated if c.uuid == card.uuid else c for c in self.ledger.cards.values()]
+            )
+            self._log_health(card, updated)
+            self._publish()
+
+    def _victims(self, uuid: CardUuid) -> str:
+        placements = self.ledger.placements_on(uuid)
+        if not placements:
+            return "no container is on it"
+        names = [
+            f"{p.owner.namespace}/{p.owner.pod}/{p.owner.container}" if p.owner else p.key
+            for p in placements
+        ]
+        return f"containers still on it: {', '.join(names)}"
+
+    def _log_health(self, before: Card | None, after: Card) -> None:
+        if before is None or before.healthy == after.healthy:
+            return
+        if after.healthy:
+            log.info(
+                "card %s (index %d) is healthy again, back in service", after.uuid, after.index
+            )
+            self.events("card_healthy", {"card": after.uuid})
+        else:
+            why = (
+                f"XID {after.xid} ({describe_xid(after.xid)})"
+                if after.xid
+                else "reported unhealthy"
+            )
+            log.error(
+                "card %s (index %d) unhealthy: %s; nothing new is placed on it; %s",
+                after.uuid,
+                after.index,
+                why,
+                self._victims(after.uuid),
+            )
+            self.events("card_unhealthy", {"card": after.uuid, "xid": after.xid})
+
+    def _publish(self) -> None:
+        """Rebuild the advertised lists (only on change) and wake ListAndWatch."""
+        views: dict[Resource, tuple[DeviceView, ...]] = {}
+        for resource in Resource:
+            views[resource] = tuple(
+                DeviceView(device_id, card.healthy, card.numa_node)
+                for card in sorted(self.ledger.cards.values(), key=lambda c: c.index)
+                for device_id in card_device_ids(card, resource, self.options.memory_unit_mib)
+            )
+        with self._dev_cond:
+            self._views = views
+            self._dev_version += 1
+            self._dev_cond.notify_all()
+        self._write_node_file()
+
+    def device_list(self, resource: Resource) -> tuple[int, Sequence[DeviceView]]:
+        with self._dev_cond:
+            return self._dev_version, self._views[resource]
+
+    def wait_devices(self, version: int, timeout_s: float) -> int:
+        with self._dev_cond:
+            self._dev_cond.wait_for(lambda: self._dev_version != version, timeout_s)
+            return self._dev_version
+
+    def _write_node_file(self) -> None:
+        if self.node_file is None:
+            return
+        cards = [
+            {
+                "uuid": c.uuid,
+                "index": c.index,
+                "name": c.name,
+                "memory_mib": c.memory_mib,
+                "minor": c.minor,
+                "numa_node": c.numa_node,
+                "healthy": c.healthy,
+                "xid": c.xid,
+            }
+            for c in sorted(self.ledger.cards.values(), key=lambda c: c.index)
+        ]
+        body = {
+            "domain": self.options.domain,
+            "memory_unit_mib": self.options.memory_unit_mib,
+            "cards": cards,
+            "updated_s": self.clock(),
+        }
+        try:
+            atomic_write(self.node_file, json.dumps(body, indent=1).encode())
+        except OSError as exc:
+            log.warning("cannot write %s: %s", self.node_file, exc)
+
+    # --------------------------------------------------------- admission
+
+    def _candidates(self, resource: Resource, size: int) -> list[Any]:
+        """Pods that may be the one being admitted; waits (bounded) for the cache.
+
+        The kubelet learns of a pod from the API server at about the time we
+        do, so a pod missing from the cache usually arrives within
+        milliseconds. We wait at most api_wait_s for it, or for the cache to
+        sync; during an outage only the first admission waits, later ones use
+        the fallback rule at once until the cache is back.
+        """
+        specs = self.pods.candidates()
+        if not self.pods.enabled or self.options.api_wait_s <= 0:
+            return specs
+        with self._lock:
+            if not self.ledger.needs_pod_info(resource, size, specs):
+                return specs
+        if not self.pods.synced() and self._api_degraded:
+            return specs
+        deadline = time.monotonic() + self.options.api_wait_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if not self.pods.synced():
+                    self._api_degraded = True
+                    log.warning(
+                        "pod cache not synced with the API server; placing by the fallback rule "
+                        "until it is back"
+                    )
+                else:
+                    log.warning(
+                        "no pending pod on this node asks %s=%d; placing it by the fallback rule",
+                        self.resource_name(resource),
+                        size,
+                    )
+                return specs
+            self.pods.wait_change(min(left, 0.25))
+            specs = self.pods.candidates()
+            if self.pods.synced():
+                self._api_degraded = False
+                with self._lock:
+                    if not self.ledger.needs_pod_info(resource, size, specs):
+                        return specs
+
+    def preferred(
+        self, resource: Resource, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> list[str]:
+        candidates = self._candidates(resource, size)
+        for attempt in (1, 2):
+            try:
+                with self._lock:
+                    ids, released = self.ledger.preferred(
+                        resource, available, must_include, size, candidates
+                    )
+                    for key in released:
+                        self._forget(key, "the kubelet offers its IDs as free")
+                return list(ids)
+            except InsufficientCapacity:
+                if attempt == 2:
+                    self._refused("insufficient_capacity")
+                    raise
+                # Re-check with the kubelet first: a pod deleted a moment ago
+                # must not cause a wrongful refusal.
+                self.reconcile("re-check before refusing")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _refused(self, reason: str) -> None:
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+
+    def allocate(self, resource: Resource, device_ids: Sequence[str]) -> AllocationAnswer:
+        candidates = self.pods.candidates()
+        with self._lock:
+            known = self.ledger.placements.copy()
+            placement = self.ledger.allocate(resource, device_ids, candidates, now_s=self.clock())
+            if known.get(placement.key) != placement:
+                try:
+                    self.store.write(placement)
+                except OSError:
+                    self.ledger.release(placement.key)
+                    if placement.key in known:
+                        self.ledger.restore(known[placement.key])
+                    raise
+                log.info(
+                    "placed %s on %s: core %d%%, memory %s (%s)",
+                    placement.key,
+                    ",".join(placement.cards),
+                    placement.core_percent,
+                    f"{placement.memory_mib} MiB" if placement.memory_mib else "no limit",
+                    f"{self.resource_name(resource)} x{len(device_ids)}",
+                )
+                self.events("placement", {"key": placement.key, "resource": resource.value})
+            answer = self.answer(placement)
+        self._schedule_owner_sync()
+        return answer
+
+    def answer(self, placement: Placement) -> AllocationAnswer:
+        paths = self.store.paths(placement.key)
+        cards = [self.ledger.cards.get(c) for c in placement.cards]
+        envs = {
+            "NVIDIA_VISIBLE_DEVICES": ",".join(placement.cards),
+            "VGPU_CONFIG": f"{CONFIG_MOUNT}/config.json",
+            "VGPU_SHARED_DIR": SHARED_MOUNT,
+        }
+        if 0 < placement.core_percent < CORE_UNITS_PER_CARD:
+            envs["VGPU_CORE_LIMIT"] = str(placement.core_percent)
+        if placement.memory_mib:
+            envs["VGPU_MEMORY_LIMIT_MIB"] = str(placement.memory_mib)
+        mounts = [
+            MountSpec(CONFIG_MOUNT, str(paths.config_dir), True),
+            MountSpec(SHARED_MOUNT, str(paths.shared_dir), False),
+        ]
+        hook = self.options.hook_path
+        if hook is not None and not placement.whole:
+            in_container = f"{HOOK_MOUNT_DIR}/{hook.name}"
+            mounts.append(MountSpec(in_container, str(hook), True))
+            envs["LD_PRELOAD"] = in_container
+        devices = [
+            DeviceNode(f"/dev/nvidia{card.minor}", f"/dev/nvidia{card.minor}")
+            for card in cards
+            if card is not None
+        ]
+        devices += [DeviceNode(path, path) for path in CONTROL_DEVICES]
+        return AllocationAnswer(envs=envs, mounts=tuple(mounts), devices=tuple(devices))
+
+    def prestart(self, resource: Resource, device_ids: Sequence[str]) -> None:
+        """Re-create a container's config directory if it went missing."""
+        ids = frozenset(device_ids)
+        with self._lock:
+            for placement in self.ledger.placements.values():
+                if placement.ids.get(resource) == ids:
+                    if not self.store.paths(placement.key).config_file.exists():
+                        self.store.write(placement)
+                        log.warning("re-created the missing config of %s", placement.key)
+                    return
+
+    # ------------------------------------------------------- reconciling
+
+    def _forget(self, key: str, why: str) -> None:
+        self.store.remove(key)
+        log.info("released %s: %s", key, why)
+        self.events("release", {"key": key})
+
+    def _schedule_owner_sync(self) -> None:
+        if self.podresources is None:
+            return
+        timer = self._owner_timer
+        if timer is not None and timer.is_alive():
+            return
+        timer = threading.Timer(OWNER_SYNC_DELAY_S, self.reconcile, args=("learn owners",))
+        timer.daemon = True
+        self._owner_timer = timer
+        timer.start()
+
+    def reconcile(self, reason: str) -> int:
+        """Re-check every placement against the kubelet's pod-resources record.
+
+        Releases placements of pods that are gone, adopts live allocations we
+        have no record of, learns owners, and removes orphaned directories.
+        Returns the number of placements released (-1 when the kubelet cannot
+        be asked).
+        """
+        if self.podresources is None:
+            return -1
+        names = {self.resource_name(r): r for r in Resource}
+        try:
+            listing = self.podresources.list(set(names))
+        except PodResourcesUnavailable as exc:
+            if not self._podres_warned:
+                log.warning(
+                    "pod-resources API unavailable (%s); finished pods are noticed "
+                    "only when the kubelet offers their IDs again",
+                    exc,
+                )
+                self._podres_warned = True
+            return -1
+        self._podres_warned = False
+        by_container: dict[tuple[str, str, str], dict[Resource, set[DeviceId]]] = {}
+        live: set[DeviceId] = set()
+        for item in listing:
+            listed = {DeviceId(d) for d in item.device_ids}
+            live |= listed
+            slot = by_container.setdefault((item.namespace, item.pod, item.container), {})
+            slot.setdefault(names[item.resource], set()).update(listed)
+        released_count = 0
+        annotate: dict[tuple[str, str], None] = {}
+        with self._lock:
+            for placement in self.ledger.reconcile(live, self.clock()):
+                released_count += 1
+                self._forget(placement.key, f"no live container holds it ({reason})")
+            for (namespace, pod, container), held in by_container.items():
+                self._adopt_or_name(namespace, pod, container, held, annotate)
+            keep = set(self.ledger.placements)
+            for key in self.store.record_keys():
+                if key not in keep:
+                    self.store.remove(key)
+                    log.info("removed orphaned config directory %s", key)
+        for namespace, pod in annotate:
+            self._annotate(namespace, pod)
+        return released_count
+
+    def _adopt_or_name(
+        self,
+        namespace: str,
+        pod: str,
+        container: str,
+        ids: dict[Resource, set[DeviceId]],
+        annotate: dict[tuple[str, str], None],
+    ) -> None:
+        known = [self.ledger.lookup(d) for r in ids for d in ids[r]]
+        if any(k is None for k in known):
+            return  # IDs of a card we no longer advertise; keep what we have
+        holders = {k for r in ids for d in ids[r] for k in self.ledger.holders_of(d)}
+        uid = self.pods.uid_of(namespace, pod)
+        owner = Owner(namespace, pod, container, uid)
+        if not holders:
+            placement = self._rebuild(ids, owner)
+            self.ledger.restore(placement)
+            self.store.write(placement)
+            log.warning(
+                "adopted %s/%s/%s from the kubelet's record as %s (no state of ours for it)",
+                namespace,
+                pod,
+                container,
+                placement.key,
+            )
+            annotate[(namespace, pod)] = None
+            return
+        for key in holders:
+            placement = self.ledger.placements[key]
+            if placement.owner is not None and placement.owner.pod_uid and not uid:
+                owner = replace(owner, pod_uid=placement.owner.pod_uid)
+            updated = self.ledger.set_owner(key, owner)
+            if updated is not None:
+                self.store.write(updated)
+                annotate[(namespace, pod)] = None
+
+    def _rebuild(self, ids: dict[Resource, set[DeviceId]], owner: Owner) -> Placement:
+        core_ids = frozenset(ids.get(Resource.CORE, set()))
+        mem_ids = frozenset(ids.get(Resource.MEMORY, set()))
+        cards: list[CardUuid] = []
+        for device_id in sorted(core_ids | mem_ids):
+            found = self.ledger.lookup(device_id)
+            if found is not None and found[0] not in cards:
+                cards.append(found[0])
+        whole = len(core_ids) >= CORE_UNITS_PER_CARD
+        return Placement(
+            key=placement_key(core_ids or mem_ids),
+            cards=tuple(cards),
+            ids={r: frozenset(v) for r, v in ids.items() if v},
+            core_percent=CORE_UNITS_PER_CARD if whole else len(core_ids),
+            memory_mib=0 if whole else len(mem_ids) * self.options.memory_unit_mib,
+            owner=owner,
+            created_s=self.clock(),
+        )
+
+    def _annotate(self, namespace: str, pod: str) -> None:
+        with self._lock:
+            mine = {
+                p.owner.container: {
+                    "cards": list(p.cards),
+                    "core": p.core_percent,
+                    "memory_mib": p.memory_mib,
+                    "key": p.key,
+                }
+                for p in self.ledger.placements.values()
+                if p.owner is not None and p.owner.namespace == namespace and p.owner.pod == pod
+            }
+        if mine:
+            key = f"{self.options.domain}/vgpu-placements"
+            self.pods.annotate(namespace, pod, {key: json.dumps(mine, sort_keys=True)})
+
+    def recover(self) -> None:
+        """Rebuild the ledger from our records, then check them with the kubelet."""
+        placements, bad = self.store.load_all()
+        with self._lock:
+            for placement in placements:
+                self.ledger.restore(placement)
+        log.info(
+            "recovered %d placement(s) from %s (%d unreadable)",
+            len(placements),
+            self.store.root,
+            len(bad),
+        )
+        self.events("recovery", {"placements": len(placements), "unreadable": len(bad)})
+        if self.reconcile("start-up") < 0:
+            log.warning(
+                "could not check the recovered placements with the kubelet; keeping them all"
+            )

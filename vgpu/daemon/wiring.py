@@ -1,0 +1,318 @@
+"""The composition root: settings in, a running daemon out.
+
+Builds the adapters from Settings, wires them to the PluginService, and runs
+the lifecycle as named tasks stopped by one flag:
+
+    start-up   enumerate cards, recover placements, install the hook, serve,
+               register with the kubelet
+    main loop  backend watch, plugin-dir watch (kubelet restarts), pod cache,
+               periodic reconcile, metrics
+    shutdown   first SIGTERM/SIGINT: stop serving, remove sockets, exit 0;
+               a second one forces the exit
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from vgpu import __version__
+from vgpu.adapters.fs import ContainerStore, PluginDirWatcher, install_hook
+from vgpu.adapters.gpus import BackendError, GpuBackend, MockBackend
+from vgpu.adapters.kube import KubePodCache, NoPods, PodSource
+from vgpu.adapters.kubelet.servicer import (
+    DevicePluginServicer,
+    PluginServer,
+    RegistrationError,
+    device_list_message,
+    register,
+)
+from vgpu.adapters.nvml import NvmlBackend
+from vgpu.adapters.podresources import PodResourcesClient
+from vgpu.config import Settings
+from vgpu.core.errors import ConfigError
+from vgpu.core.model import Resource
+from vgpu.daemon.service import PluginService, ServiceOptions
+from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
+
+log = logging.getLogger("vgpu")
+
+KUBELET_MESSAGE_LIMIT_BYTES = 4 * 1024 * 1024
+STOP_TIMEOUT_S = 4.0
+
+
+def socket_name(resource: Resource) -> str:
+    return f"vgpu-{resource.value}.sock"
+
+
+def build_backend(settings: Settings) -> GpuBackend:
+    if settings.backend == "mock":
+        assert settings.mock_gpus is not None
+        return MockBackend(settings.mock_gpus)
+    return NvmlBackend(ignored_xids=settings.ignored_xids)
+
+
+def build_pods(settings: Settings, on_gone: Callable[[], None]) -> PodSource:
+    in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    if settings.kubeconfig is None and not in_cluster:
+        log.warning(
+            "no API server configured (no --kubeconfig, not in a cluster): containers are "
+            "placed by the fallback rule, without pod information"
+        )
+        return NoPods()
+    if not settings.node_name:
+        raise ConfigError(
+            "node_name is not set: pass --node-name or set NODE_NAME (downward API "
+            "spec.nodeName) so vgpu can watch the pods of this node"
+        )
+    return KubePodCache(settings.node_name, settings.resource_domain, settings.kubeconfig, on_gone)
+
+
+class Daemon:
+    """Everything `vgpu serve` runs."""
+
+    def __init__(self, settings: Settings, backend: GpuBackend | None = None) -> None:
+        self.settings = settings
+        self.backend = backend or build_backend(settings)
+        self.stop = threading.Event()
+        self.stopping = threading.Event()
+        self.store = ContainerStore(settings.state_dir, settings.memory_unit_mib)
+        self._reconcile_now = threading.Event()
+        self.pods = build_pods(settings, self._reconcile_now.set)
+        self.podresources = PodResourcesClient(settings.pod_resources_socket)
+        self.metrics: Any = None
+        self.service = PluginService(
+            ServiceOptions(
+                domain=settings.resource_domain,
+                memory_unit_mib=settings.memory_unit_mib,
+                policy=settings.policy,
+                ignored_xids=settings.ignored_xids,
+                api_wait_s=settings.api_wait_s,
+            ),
+            self.store,
+            self.pods,
+            self.podresources,
+            node_file=settings.state_dir / "node.json",
+            events=self._event,
+        )
+        self.options = pb.DevicePluginOptions(
+            pre_start_required=False, get_preferred_allocation_available=True
+        )
+        self.servers: dict[Resource, PluginServer] = {}
+        self._registered_with: tuple[int, int] | None = None
+        self._register_lock = threading.Lock()
+        self._next_attempt = 0.0
+        self._backoff_s = 0.5
+        self.registrations = 0
+        self.watcher = PluginDirWatcher(
+            settings.device_plugin_dir, self._socket_paths, self._on_kubelet_restart
+        )
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------ events
+
+    def _event(self, kind: str, fields: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.event(kind, fields)
+
+    def _on_call(self, method: str, resource: Resource, seconds: float, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.call(method, resource, seconds, outcome)
+
+    # ---------------------------------------------------------- start-up
+
+    def _socket_paths(self) -> list[Path]:
+        return [s.socket_path for s in self.servers.values()]
+
+    def check_message_size(self) -> None:
+        for resource in Resource:
+            _, devices = self.service.device_list(resource)
+            size = device_list_message(devices).ByteSize()
+            if size > KUBELET_MESSAGE_LIMIT_BYTES * 0.9:
+                raise ConfigError(
+                    f"the {resource.value} device list would be {size / 2**20:.1f} MiB, over "
+                    f"the kubelet's 4 MiB message limit; raise memory_unit_mib "
+                    f"(now {self.settings.memory_unit_mib})"
+                )
+
+    def start(self) -> None:
+        s = self.settings
+        log.info("vgpu %s starting; effective settings: %s", __version__, s.public())
+        cards = self.backend.cards()
+        if not cards:
+            log.warning("the %s backend found no cards; advertising nothing", self.backend.name)
+        self.service.set_cards(cards)
+        self.check_message_size()
+        for card in cards:
+            log.info(
+                "card %d: %s %s, %d MiB, minor %d, NUMA %s",
+                card.index,
+                card.uuid,
+                card.name,
+                card.memory_mib,
+                card.minor,
+                card.numa_node,
+            )
+        s.device_plugin_dir.mkdir(parents=True, exist_ok=True)
+        self.store.prepare()
+        if s.hook_library is not None:
+            try:
+                hook = install_hook(s.hook_library, s.hook_dir, __version__)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot install the hook library {s.hook_library} into {s.hook_dir}: "
+                    f"{exc.strerror}; check hook_library / hook_dir"
+                ) from exc
+            self.service.options = ServiceOptions(
+                **{**self.service.options.__dict__, "hook_path": hook}
+            )
+            log.info("hook library installed as %s", hook)
+        self.service.recover()
+        self.pods.start(self.stop)
+        if s.metrics_address:
+            from vgpu.daemon.metrics import Metrics
+
+            self.metrics = Metrics(self)
+            self.metrics.serve(s.metrics_address)
+        self._serve()
+        self._try_register()
+        self._spawn("backend-watch", self._watch_backend)
+        self._spawn("plugin-dir-watch", self.watcher.run, self.stop, self._current_registration)
+        self._spawn("reconcile", self._reconcile_loop)
+
+    def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _watch_backend(self) -> None:
+        try:
+            self.backend.watch(self.stop, self.service.set_cards, self.service.on_event)
+        except Exception:
+            log.exception("the GPU backend watch failed; health is no longer watched")
+
+    def _serve(self) -> None:
+        for server in self.servers.values():
+            server.stop(0)
+        self.servers = {}
+        for resource in Resource:
+            servicer = DevicePluginServicer(
+                self.service, resource, self.options, self.stopping, self._on_call
+            )
+            server = PluginServer(servicer, self.settings.device_plugin_dir / socket_name(resource))
+            server.start()
+            self.servers[resource] = server
+        log.info("serving %s", ", ".join(str(p) for p in self._socket_paths()))
+
+    def _current_registration(self) -> tuple[int, int] | None:
+        if time.monotonic() < self._next_attempt:
+            # Still backing off after a failed attempt: look registered.
+            return self.watcher.kubelet_identity()
+        return self._registered_with
+
+    def _try_register(self) -> bool:
+        with self._register_lock:
+            identity = self.watcher.kubelet_identity()
+            if identity is None:
+                log.info("kubelet.sock not there yet; will register when the kubelet starts")
+                return False
+            try:
+                for resource in Resource:
+                    register(
+                        self.settings.device_plugin_dir,
+                        socket_name(resource),
+                        self.service.resource_name(resource),
+                        self.options,
+                    )
+            except RegistrationError as exc:
+                self._registered_with = None
+                self._next_attempt = time.monotonic() + self._backoff_s
+                log.warning("%s; retrying in %.1fs", exc, self._backoff_s)
+                self._backoff_s = min(self._backoff_s * 2, 10.0)
+                return False
+            self._registered_with = identity
+            self._backoff_s = 0.5
+            self._next_attempt = 0.0
+            self.registrations += 1
+            self._event("registered", {})
+            log.info(
+                "registered %s and %s with the kubelet",
+                self.service.resource_name(Resource.CORE),
+                self.service.resource_name(Resource.MEMORY),
+            )
+            return True
+
+    def _on_kubelet_restart(self, why: str) -> None:
+        if self.stop.is_set():
+            return
+        log.warning("kubelet restart noticed (%s): serving again and re-registering", why)
+        self._registered_with = None
+        self._serve()
+        self._try_register()
+
+    def _reconcile_loop(self) -> None:
+        interval = self.settings.reconcile_interval_s
+        while not self.stop.is_set():
+            woke = self._reconcile_now.wait(interval)
+            if self.stop.is_set():
+                return
+            self._reconcile_now.clear()
+            try:
+                self.service.reconcile("pod finished or deleted" if woke else "periodic check")
+            except Exception:
+                log.exception("reconcile failed; will retry")
+
+    # ---------------------------------------------------------- shutdown
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        self.stop.set()
+        self._reconcile_now.set()
+        for server in self.servers.values():
+            server.stop(0.2)
+        if self.metrics is not None:
+            self.metrics.close()
+        deadline = time.monotonic() + STOP_TIMEOUT_S / 2
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self.podresources.close()
+        log.info("stopped; sockets removed")
+
+
+def run(settings: Settings) -> int:
+    """Run until SIGTERM/SIGINT. Exit codes: 0 clean stop, 2 bad config, 3 backend unusable."""
+    daemon = Daemon(settings)
+    signals = {"count": 0}
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        signals["count"] += 1
+        if signals["count"] > 1:
+            log.error("second signal: exiting now")
+            os._exit(1)
+        log.info("%s received: shutting down", signal.Signals(signum).name)
+        daemon.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        daemon.start()
+    except ConfigError as exc:
+        print(f"vgpu: {exc.message}", file=sys.stderr)
+        daemon.shutdown()
+        return 2
+    except BackendError as exc:
+        print(f"vgpu: {exc}", file=sys.stderr)
+        daemon.shutdown()
+        return 3
+    while not daemon.stop.wait(1.0):
+        pass
+    daemon.shutdown()
+    return 0

@@ -1,0 +1,216 @@
+"""A whole simulated node: kubelet simulator + fake API server + the real
+vgpu daemon as a subprocess, talking over real gRPC and real HTTP.
+
+Used by `vgpu demo`, the integration tests and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from vgpu.sim.apiserver import FakeApiServer, make_pod
+from vgpu.sim.kubelet import Admission, KubeletSimulator, SimContainer, SimPod
+
+Requests = Mapping[str, int]
+
+
+class SimNode:
+    def __init__(
+        self,
+        root: Path | None = None,
+        *,
+        gpus: str | Path = "preset:2xH200",
+        node: str = "sim-node",
+        domain: str = "vendor.io",
+        api: bool = True,
+        seed: int | None = 0,
+        daemon_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.root = root or Path(tempfile.mkdtemp(prefix="vgpu-", dir="/tmp"))
+        self.gpus = str(gpus)
+        self.node = node
+        self.domain = domain
+        self.core = f"{domain}/vcuda-core"
+        self.memory = f"{domain}/vcuda-memory"
+        self.plugin_dir = self.root / "dp"
+        self.podres_socket = self.root / "pr.sock"
+        self.state_dir = self.root / "state"
+        self.kubeconfig = self.root / "kubeconfig"
+        self.log_path = self.root / "daemon.log"
+        self.api = FakeApiServer() if api else None
+        self.kubelet = KubeletSimulator(self.plugin_dir, self.podres_socket, seed=seed)
+        self.daemon_args = list(daemon_args)
+        self.env = dict(env or {})
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_fh: Any = None
+
+    # --------------------------------------------------------- lifecycle
+
+    def start(self, timeout_s: float = 20.0) -> None:
+        if self.api is not None:
+            self.api.start()
+            self.api.write_kubeconfig(self.kubeconfig)
+        self.kubelet.start()
+        self.start_daemon(timeout_s=timeout_s)
+
+    def daemon_command(self) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "vgpu",
+            "serve",
+            "--backend",
+            "mock",
+            "--mock-gpus",
+            self.gpus,
+            "--device-plugin-dir",
+            str(self.plugin_dir),
+            "--pod-resources-socket",
+            str(self.podres_socket),
+            "--state-dir",
+            str(self.state_dir),
+            "--node-name",
+            self.node,
+            "--resource-domain",
+            self.domain,
+        ]
+        if self.api is not None:
+            cmd += ["--kubeconfig", str(self.kubeconfig)]
+        return cmd + self.daemon_args
+
+    def start_daemon(self, wait: bool = True, timeout_s: float = 20.0) -> None:
+        before = self.registrations()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        env.update(self.env)
+        self._log_fh = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop_daemon
+        self.proc = subprocess.Popen(
+            self.daemon_command(), stdout=self._log_fh, stderr=subprocess.STDOUT, env=env
+        )
+        if wait and not self.kubelet.wait_for(
+            lambda: (
+                self.registrations() > before
+                and self.kubelet.capacity(self.core) > 0
+                and self.kubelet.capacity(self.memory) > 0
+            ),
+            timeout_s,
+        ):
+            raise RuntimeError(f"vgpu did not register in {timeout_s}s; log:\n{self.log()}")
+
+    def registrations(self) -> int:
+        return min(self.kubelet.registrations(self.core), self.kubelet.registrations(self.memory))
+
+    def stop_daemon(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int | None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        try:
+            rc = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        if self._log_fh is not None:
+            self._log_fh.close()
+            self._log_fh = None
+        return rc
+
+    def kill_daemon(self) -> None:
+        self.stop_daemon(signal.SIGKILL)
+
+    def close(self) -> None:
+        self.stop_daemon()
+        self.kubelet.stop()
+        if self.api is not None:
+            self.api.stop()
+
+    def __enter__(self) -> SimNode:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    # -------------------------------------------------------------- pods
+
+    def pod(
+        self,
+        name: str,
+        containers: Mapping[str, Requests] | Requests,
+        init: Mapping[str, Requests] | None = None,
+        namespace: str = "default",
+    ) -> SimPod:
+        """A pod; `containers` maps container name -> requests, or is one container's requests."""
+        named: Mapping[str, Any] = containers
+        if containers and all(isinstance(v, int) for v in containers.values()):
+            named = {"main": containers}
+        apps = [SimContainer(n, dict(r)) for n, r in named.items()]
+        inits = [SimContainer(n, dict(r)) for n, r in (init or {}).items()]
+        return SimPod.new(name, apps, inits, namespace=namespace)
+
+    def _api_pod(self, pod: SimPod) -> dict[str, Any]:
+        def spec(c: SimContainer) -> dict[str, Any]:
+            limits = {k: str(v) for k, v in c.requests.items()}
+            return {"name": c.name, "resources": {"limits": limits, "requests": limits}}
+
+        return make_pod(
+            pod.name,
+            node=self.node,
+            namespace=pod.namespace,
+            containers=[spec(c) for c in pod.containers],
+            init_containers=[spec(c) for c in pod.init_containers] or None,
+        )
+
+    def create(self, pod: SimPod) -> None:
+        """The pod is bound to this node (the API server knows it)."""
+        if self.api is not None:
+            self.api.add_pod(self._api_pod(pod))
+
+    def admit(self, pod: SimPod, order: Sequence[str] | None = None) -> Admission:
+        """The kubelet admits the pod; a failed admission marks it Failed, like the kubelet."""
+        result = self.kubelet.admit(pod, order)
+        if not result.ok and self.api is not None:
+            with contextlib.suppress(Exception):
+                self.api.set_pod_phase(pod.namespace, pod.name, "Failed")
+        return result
+
+    def submit(self, pod: SimPod, order: Sequence[str] | None = None) -> Admission:
+        self.create(pod)
+        return self.admit(pod, order)
+
+    def delete(self, pod: SimPod) -> None:
+        if self.api is not None:
+            with contextlib.suppress(Exception):
+                self.api.delete_pod(pod.namespace, pod.name)
+        self.kubelet.remove_pod(pod.uid)
+
+    def finish(self, pod: SimPod, phase: str = "Succeeded") -> None:
+        if self.api is not None:
+            with contextlib.suppress(Exception):
+                self.api.set_pod_phase(pod.namespace, pod.name, phase)
+        self.kubelet.remove_pod(pod.uid)
+
+    def wait(self, predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(interval_s)
+        return bool(predicate())
