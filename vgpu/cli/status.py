@@ -1,0 +1,243 @@
+"""`vgpu status`: every card, slice and container on this node.
+
+Reads only the daemon's --state-dir (node.json and the per-container
+records), so it works without an API server and after a daemon crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vgpu.adapters.fs import ContainerStore, placement_record
+
+DEFAULT_STATE_DIR = Path("/var/lib/vgpu")
+HOOK_FILE = "vgpu.shm"
+HOOK_MAGIC = 0x76475055
+HOOK_VERSION = 1
+# struct vgpu_shared (hooks/vgpu_shared.h): 32 header bytes, a pthread mutex,
+# then uint64 used[16].
+_MUTEX_BYTES = {"x86_64": 40, "aarch64": 48}
+
+
+class StatusError(Exception):
+    pass
+
+
+def hook_usage_mib(shared_dir: Path) -> int | None:
+    """Memory the container's processes hold, as the hook library records it."""
+    mutex = _MUTEX_BYTES.get(platform.machine())
+    if mutex is None:
+        return None
+    try:
+        with open(shared_dir / HOOK_FILE, "rb") as fh:
+            head = fh.read(32 + mutex + 16 * 8)
+    except OSError:
+        return None
+    if len(head) < 32 + mutex + 128:
+        return None
+    magic, version = struct.unpack_from("<II", head, 0)
+    if magic != HOOK_MAGIC or version != HOOK_VERSION:
+        return None
+    used: tuple[int, ...] = struct.unpack_from("<16Q", head, 32 + mutex)
+    return sum(used) // (1024 * 1024)
+
+
+def collect(state_dir: Path, now_s: float | None = None) -> dict[str, Any]:
+    """The status document (the `-o json` contract)."""
+    node_file = state_dir / "node.json"
+    try:
+        node = json.loads(node_file.read_text())
+    except FileNotFoundError:
+        raise StatusError(
+            f"nothing to show: {node_file} does not exist. Is `vgpu serve` running on this node "
+            f"with --state-dir {state_dir}? Pass --state-dir to point elsewhere."
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise StatusError(f"{node_file} is unreadable: {exc}") from None
+    unit = int(node.get("memory_unit_mib", 256))
+    store = ContainerStore(state_dir, unit)
+    placements, bad = store.load_all()
+    now = time.time() if now_s is None else now_s
+    cards: dict[str, dict[str, Any]] = {}
+    for c in node.get("cards", []):
+        cards[c["uuid"]] = {
+            "uuid": c["uuid"],
+            "index": c["index"],
+            "name": c["name"],
+            "health": "Healthy" if c.get("healthy", True) else "Unhealthy",
+            "xid": c.get("xid"),
+            "memory_mib": c["memory_mib"],
+            "numa_node": c.get("numa_node"),
+            "minor": c.get("minor"),
+            "core_allocated": 0,
+            "memory_allocated_mib": 0,
+            "containers": 0,
+        }
+    containers = []
+    for p in sorted(placements, key=lambda p: p.created_s):
+        record = placement_record(p, unit)
+        per_card_mem = {
+            uuid: sum(1 for d in record["device_ids"].get("vcuda-memory", []) if d.startswith(uuid))
+            * unit
+            for uuid in p.cards
+        }
+        for uuid in p.cards:
+            card = cards.get(uuid)
+            if card is None:
+                cards[uuid] = card = {
+                    "uuid": uuid,
+                    "index": -1,
+                    "name": "(gone)",
+                    "health": "Gone",
+                    "xid": None,
+                    "memory_mib": 0,
+                    "numa_node": None,
+                    "minor": None,
+                    "core_allocated": 0,
+                    "memory_allocated_mib": 0,
+                    "containers": 0,
+                }
+            card["core_allocated"] += p.core_percent
+            card["memory_allocated_mib"] += per_card_mem[uuid]
+            card["containers"] += 1
+        paths = store.paths(p.key)
+        owner = p.owner
+        containers.append(
+            {
+                "namespace": owner.namespace if owner else None,
+                "pod": owner.pod if owner else None,
+                "container": owner.container if owner else None,
+                "pod_uid": owner.pod_uid if owner else None,
+                "key": p.key,
+                "cards": list(p.cards),
+                "core": p.core_percent,
+                "whole_cards": p.whole,
+                "memory_mib": p.memory_mib,
+                "memory_used_mib": hook_usage_mib(paths.shared_dir),
+                "age_s": max(0.0, now - p.created_s),
+                "device_ids": record["device_ids"],
+                "config_path": str(paths.config_file),
+                "card_health": [cards[u]["health"] for u in p.cards],
+            }
+        )
+    return {
+        "node_file": str(node_file),
+        "updated_s": node.get("updated_s"),
+        "domain": node.get("domain"),
+        "memory_unit_mib": unit,
+        "cards": sorted(cards.values(), key=lambda c: c["index"]),
+        "containers": containers,
+        "unreadable_records": bad,
+    }
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h"
+    return f"{seconds / 86400:.0f}d"
+
+
+def _bar(fraction: float, width: int = 20) -> str:
+    filled = round(max(0.0, min(1.0, fraction)) * width)
+    return "#" * filled + "." * (width - filled)
+
+
+class _Paint:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def __call__(self, text: str, code: str) -> str:
+        return f"\033[{code}m{text}\033[0m" if self.enabled else text
+
+
+def render(doc: dict[str, Any], wide: bool = False, color: bool = False) -> str:
+    paint = _Paint(color)
+    lines: list[str] = []
+    by_card: dict[str, list[dict[str, Any]]] = {}
+    for c in doc["containers"]:
+        for uuid in c["cards"]:
+            by_card.setdefault(uuid, []).append(c)
+    for card in doc["cards"]:
+        health = card["health"]
+        if health == "Healthy":
+            health_text = paint(health, "32")
+        else:
+            xid = f" (XID {card['xid']})" if card.get("xid") else ""
+            health_text = paint(health + xid, "31;1")
+        mem_total = card["memory_mib"] or 1
+        lines.append(
+            paint(f"GPU {card['index']}", "1")
+            + f"  {card['name']}  {card['uuid']}  {health_text}"
+            + (f"  NUMA {card['numa_node']}" if wide else "")
+        )
+        core_pct = card["core_allocated"]
+        mem_gib = card["memory_allocated_mib"] / 1024
+        lines.append(f"  core    [{_bar(core_pct / 100)}] {core_pct:>3}% allocated")
+        lines.append(
+            f"  memory  [{_bar(card['memory_allocated_mib'] / mem_total)}] "
+            f"{mem_gib:.1f} / {card['memory_mib'] / 1024:.1f} GiB allocated"
+        )
+        rows = by_card.get(card["uuid"], [])
+        if not rows:
+            lines.append("  (no containers)")
+        for c in rows:
+            name = (
+                f"{c['namespace']}/{c['pod']}/{c['container']}"
+                if c["pod"]
+                else f"(owner not known yet: {c['key']})"
+            )
+            core = (
+                "whole card"
+                if c["whole_cards"]
+                else (f"{c['core']}%" if c["core"] else "best effort")
+            )
+            mem = f"{c['memory_mib'] / 1024:.1f} GiB" if c["memory_mib"] else "no limit"
+            used = (
+                f"{c['memory_used_mib'] / 1024:.1f} GiB used"
+                if c["memory_used_mib"] is not None
+                else "usage n/a"
+            )
+            lines.append(
+                f"  - {name:<48} core {core:<11} mem {mem:<10} {used:<14} age {_age(c['age_s'])}"
+            )
+            if wide:
+                lines.append(f"      config {c['config_path']}")
+                for resource, ids in c["device_ids"].items():
+                    shown = ", ".join(ids[:4]) + (f" (+{len(ids) - 4})" if len(ids) > 4 else "")
+                    lines.append(f"      {resource}: {shown}")
+        lines.append("")
+    if doc["unreadable_records"]:
+        lines.append(
+            paint("unreadable records (the daemon rebuilds them from the kubelet): ", "33")
+            + ", ".join(doc["unreadable_records"])
+        )
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def run_status(state_dir: Path | None, output: str, color: str) -> int:
+    directory = state_dir or Path(os.environ.get("VGPU_STATE_DIR") or DEFAULT_STATE_DIR)
+    try:
+        doc = collect(directory)
+    except StatusError as exc:
+        print(f"vgpu status: {exc}", file=sys.stderr)
+        return 1
+    if output == "json":
+        json.dump(doc, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    use_color = color == "always" or (
+        color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    )
+    sys.stdout.write(render(doc, wide=output == "wide", color=use_color))
+    return 0

@@ -1,0 +1,1092 @@
+"""A fake Kubernetes API server over real HTTP, for tests and ``vgpu demo``.
+
+Only the standard library is used.  The server speaks enough of the core/v1 API
+for the official ``kubernetes`` Python client to list, get, watch and patch Pods
+and Nodes against it:
+
+* ``GET /api``, ``/api/v1``, ``/apis``, ``/version``
+* ``GET /api/v1/pods`` and ``/api/v1/namespaces/{ns}/pods`` (list or
+  ``watch=true``), with ``fieldSelector`` / ``labelSelector``
+* ``GET|PATCH /api/v1/namespaces/{ns}/pods/{name}``
+* ``GET /api/v1/nodes`` (list or watch) and ``GET|PATCH /api/v1/nodes/{name}``
+
+Resource versions come from one global, monotonically increasing counter.  Watch
+events are kept in a bounded history so that a watch can resume from a
+``resourceVersion``; a version older than the history window is answered with an
+``ERROR`` event carrying a 410 ``Expired`` Status, as the real server does.
+
+Fault injection: :meth:`FakeApiServer.set_down` makes every request answer 503 and
+cuts open watches at once (the connection is dropped mid-stream, like a crashed
+server); :meth:`FakeApiServer.set_delay` delays every answer.
+
+Every thread the server starts is named with the prefix :data:`THREAD_PREFIX`, so
+tests can check that none is left after :meth:`FakeApiServer.stop`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import json
+import re
+import select
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, cast
+from urllib.parse import parse_qs, unquote, urlsplit
+
+__all__ = ["THREAD_PREFIX", "FakeApiServer", "make_pod"]
+
+THREAD_PREFIX = "vgpu-fake-apiserver"
+"""Name prefix of every thread the fake API server starts."""
+
+JSON = dict[str, Any]
+
+_INITIAL_RV = 1000
+_WAIT_SLICE_S = 0.25  # how often an idle watch checks whether its client went away
+_DEFAULT_IMAGE = "registry.k8s.io/pause:3.9"
+
+# resource (URL plural) -> (kind, namespaced)
+_RESOURCES: dict[str, tuple[str, bool]] = {"pods": ("Pod", True), "nodes": ("Node", False)}
+
+# The field selectors the real API server accepts, per resource.
+_FIELD_LABELS: dict[str, frozenset[str]] = {
+    "pods": frozenset(
+        {
+            "metadata.name",
+            "metadata.namespace",
+            "spec.nodeName",
+            "spec.restartPolicy",
+            "spec.schedulerName",
+            "spec.serviceAccountName",
+            "spec.hostNetwork",
+            "status.phase",
+            "status.podIP",
+            "status.nominatedNodeName",
+        }
+    ),
+    "nodes": frozenset({"metadata.name", "spec.unschedulable"}),
+}
+
+_REASONS: dict[int, str] = {
+    400: "BadRequest",
+    404: "NotFound",
+    405: "MethodNotAllowed",
+    409: "Conflict",
+    410: "Expired",
+    415: "UnsupportedMediaType",
+    422: "Invalid",
+    503: "ServiceUnavailable",
+}
+
+_MERGE_PATCH = "application/merge-patch+json"
+_STRATEGIC_PATCH = "application/strategic-merge-patch+json"
+_JSON_PATCH = "application/json-patch+json"
+
+
+def _now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _status(code: int, message: str, reason: str | None = None, **details: str) -> JSON:
+    """A ``v1.Status`` failure object."""
+    body: JSON = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason or _REASONS.get(code, ""),
+        "code": code,
+    }
+    if details:
+        body["details"] = dict(details)
+    return body
+
+
+class _ApiError(Exception):
+    """Answered to the client as a ``Status`` object with this HTTP code."""
+
+    def __init__(self, code: int, message: str, reason: str | None = None, **details: str):
+        super().__init__(message)
+        self.code = code
+        self.body = _status(code, message, reason, **details)
+
+
+class _Abort(Exception):
+    """The connection must be dropped at once (server down or stopping)."""
+
+
+# --------------------------------------------------------------------------- selectors
+
+
+def _field_value(obj: JSON, path: str) -> str:
+    cur: Any = obj
+    for part in path.split("."):
+        if not isinstance(cur, dict):
+            return ""
+        cur = cur.get(part)
+    if cur is None:
+        return ""
+    if isinstance(cur, bool):
+        return "true" if cur else "false"
+    return str(cur)
+
+
+@dataclass(frozen=True)
+class _Selector:
+    namespace: str | None = None
+    # (field path, op, value); op is "=" or "!="
+    fields: tuple[tuple[str, str, str], ...] = ()
+    # (label key, op, values); op is "=", "!=", "in", "notin", "exists" or "!exists"
+    labels: tuple[tuple[str, str, frozenset[str]], ...] = ()
+
+    def matches(self, obj: JSON) -> bool:
+        meta = obj.get("metadata") or {}
+        if self.namespace is not None and meta.get("namespace") != self.namespace:
+            return False
+        for path, op, value in self.fields:
+            if (_field_value(obj, path) == value) != (op == "="):
+                return False
+        labels: dict[str, str] = meta.get("labels") or {}
+        for key, op, values in self.labels:
+            present = key in labels
+            actual = labels.get(key)
+            if op in ("=", "in"):
+                ok = present and actual in values
+            elif op in ("!=", "notin"):
+                ok = not present or actual not in values
+            elif op == "exists":
+                ok = present
+            else:
+                ok = not present
+            if not ok:
+                return False
+        return True
+
+
+_LABEL_KEY = r"[A-Za-z0-9][-A-Za-z0-9_./]*"
+_SET_TERM = re.compile(rf"({_LABEL_KEY})\s+(in|notin)\s+\(([^)]*)\)")
+_EQ_TERM = re.compile(rf"({_LABEL_KEY})\s*(==|!=|=)\s*([-A-Za-z0-9_.]*)")
+_EXISTS_TERM = re.compile(rf"(!?)\s*({_LABEL_KEY})")
+
+
+def _parse_field_selector(resource: str, text: str) -> tuple[tuple[str, str, str], ...]:
+    terms: list[tuple[str, str, str]] = []
+    for raw in text.split(","):
+        term = raw.strip()
+        if not term:
+            continue
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            op = "!="
+        elif "==" in term:
+            key, value = term.split("==", 1)
+            op = "="
+        elif "=" in term:
+            key, value = term.split("=", 1)
+            op = "="
+        else:
+            raise _ApiError(400, f"invalid field selector: {term!r}")
+        key = key.strip()
+        if key not in _FIELD_LABELS[resource]:
+            raise _ApiError(
+                400, f'field label not supported: "{key}" for {_RESOURCES[resource][0]}'
+            )
+        terms.append((key, op, value.strip()))
+    return tuple(terms)
+
+
+def _parse_label_selector(text: str) -> tuple[tuple[str, str, frozenset[str]], ...]:
+    terms: list[tuple[str, str, frozenset[str]]] = []
+    for raw in re.split(r",(?![^()]*\))", text):
+        term = raw.strip()
+        if not term:
+            continue
+        if m := _SET_TERM.fullmatch(term):
+            values = frozenset(v.strip() for v in m.group(3).split(",") if v.strip())
+            terms.append((m.group(1), m.group(2), values))
+        elif m := _EQ_TERM.fullmatch(term):
+            op = "=" if m.group(2) in ("=", "==") else "!="
+            terms.append((m.group(1), op, frozenset({m.group(3)})))
+        elif m := _EXISTS_TERM.fullmatch(term):
+            terms.append((m.group(2), "!exists" if m.group(1) else "exists", frozenset()))
+        else:
+            raise _ApiError(400, f"unable to parse requirement: {term!r}")
+    return tuple(terms)
+
+
+# --------------------------------------------------------------------------- patches
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch; ``null`` deletes a key."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result: JSON = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge_patch(result.get(key), value)
+    return result
+
+
+def _pointer(path: Any) -> list[str]:
+    if not isinstance(path, str) or (path and not path.startswith("/")):
+        raise _ApiError(422, f"invalid JSON pointer: {path!r}")
+    if not path:
+        return []
+    return [t.replace("~1", "/").replace("~0", "~") for t in path[1:].split("/")]
+
+
+def _walk(doc: Any, tokens: list[str]) -> Any:
+    cur = doc
+    for tok in tokens:
+        if isinstance(cur, dict) and tok in cur:
+            cur = cur[tok]
+        elif isinstance(cur, list) and tok.isdigit() and int(tok) < len(cur):
+            cur = cur[int(tok)]
+        else:
+            raise _ApiError(422, f"path not found: /{'/'.join(tokens)}")
+    return cur
+
+
+def _pointer_get(doc: Any, tokens: list[str]) -> Any:
+    return _walk(doc, tokens)
+
+
+def _pointer_add(doc: Any, tokens: list[str], value: Any, *, replace: bool) -> Any:
+    if not tokens:
+        return copy.deepcopy(value)
+    parent = _walk(doc, tokens[:-1])
+    last = tokens[-1]
+    if isinstance(parent, dict):
+        if replace and last not in parent:
+            raise _ApiError(422, f"replace of missing key: {last!r}")
+        parent[last] = copy.deepcopy(value)
+    elif isinstance(parent, list):
+        if last == "-" and not replace:
+            parent.append(copy.deepcopy(value))
+        elif last.isdigit() and int(last) <= len(parent) - (1 if replace else 0):
+            if replace:
+                parent[int(last)] = copy.deepcopy(value)
+            else:
+                parent.insert(int(last), copy.deepcopy(value))
+        else:
+            raise _ApiError(422, f"bad array index: {last!r}")
+    else:
+        raise _ApiError(422, "patch target is not a container")
+    return doc
+
+
+def _pointer_remove(doc: Any, tokens: list[str]) -> Any:
+    if not tokens:
+        raise _ApiError(422, "cannot remove the whole document")
+    parent = _walk(doc, tokens[:-1])
+    last = tokens[-1]
+    if isinstance(parent, dict) and last in parent:
+        return parent.pop(last)
+    if isinstance(parent, list) and last.isdigit() and int(last) < len(parent):
+        return parent.pop(int(last))
+    raise _ApiError(422, f"remove of missing path: /{'/'.join(tokens)}")
+
+
+def _json_patch(doc: Any, ops: list[Any]) -> Any:
+    """RFC 6902 JSON patch (add, remove, replace, test, move, copy)."""
+    for op in ops:
+        if not isinstance(op, dict):
+            raise _ApiError(400, "JSON patch operations must be objects")
+        name = op.get("op")
+        tokens = _pointer(op.get("path"))
+        if name == "add":
+            doc = _pointer_add(doc, tokens, op.get("value"), replace=False)
+        elif name == "replace":
+            doc = _pointer_add(doc, tokens, op.get("value"), replace=True)
+        elif name == "remove":
+            _pointer_remove(doc, tokens)
+        elif name == "test":
+            if _pointer_get(doc, tokens) != op.get("value"):
+                raise _ApiError(422, f"test failed at {op.get('path')!r}")
+        elif name in ("move", "copy"):
+            source = _pointer(op.get("from"))
+            value = (
+                _pointer_remove(doc, source)
+                if name == "move"
+                else copy.deepcopy(_pointer_get(doc, source))
+            )
+            doc = _pointer_add(doc, tokens, value, replace=False)
+        else:
+            raise _ApiError(400, f"unknown JSON patch op: {name!r}")
+    return doc
+
+
+# --------------------------------------------------------------------------- watches
+
+
+@dataclass(frozen=True)
+class _Event:
+    rv: int
+    resource: str
+    type: str  # ADDED | MODIFIED | DELETED
+    obj: JSON  # state after the change (never mutated once recorded)
+    prev: JSON | None  # state before a MODIFIED, to detect selector transitions
+
+
+@dataclass
+class _WatchState:
+    resource: str
+    selector: _Selector
+    cursor: int
+    deadline: float | None
+    next_bookmark: float | None
+    initial: list[JSON] = field(default_factory=list)
+    finished: bool = False
+
+
+# --------------------------------------------------------------------------- HTTP plumbing
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], api: FakeApiServer) -> None:
+        self.api = api
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        thread = threading.Thread(
+            target=self._serve_connection,
+            args=(request, client_address),
+            name=f"{THREAD_PREFIX}-conn",
+            daemon=True,
+        )
+        self.api._track(thread, request)
+        thread.start()
+
+    def _serve_connection(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            self.api._untrack(threading.current_thread())
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], OSError | _Abort):
+            return  # client went away, server down or stopping: expected
+        super().handle_error(request, client_address)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "vgpu-fake-apiserver/1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._dispatch()
+
+    def do_PATCH(self) -> None:
+        self._dispatch()
+
+    def do_POST(self) -> None:
+        self._dispatch()
+
+    def do_PUT(self) -> None:
+        self._dispatch()
+
+    def do_DELETE(self) -> None:
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        api = cast(_HTTPServer, self.server).api
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length > 0 else b""
+        try:
+            api._begin_request(self.command, self.path)
+            result = api._route(
+                self.command, self.path, self.headers.get("Content-Type") or "", body
+            )
+        except _Abort:
+            self.close_connection = True
+            return
+        except _ApiError as err:
+            close = err.code == 503
+            self._send_json(err.code, err.body, close=close)
+            return
+        if isinstance(result, _WatchState):
+            self._stream_watch(api, result)
+        else:
+            self._send_json(*result)
+
+    def _send_json(self, code: int, body: JSON, *, close: bool = False) -> None:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _write_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def _client_gone(self) -> bool:
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            if not readable:
+                return False
+            peek: bytes = self.connection.recv(1, socket.MSG_PEEK)
+            return peek == b""
+        except OSError:
+            return True
+
+    def _stream_watch(self, api: FakeApiServer, state: _WatchState) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for batch in api._watch_iter(state, self._client_gone):
+                lines = [json.dumps(ev, separators=(",", ":")).encode() + b"\n" for ev in batch]
+                self._write_chunk(b"".join(lines))
+            if self._client_gone():
+                self.close_connection = True
+                return
+            self._write_chunk(b"")  # terminating chunk: a clean end of the stream
+        except (_Abort, OSError):
+            self.close_connection = True
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+
+# --------------------------------------------------------------------------- the server
+
+
+class FakeApiServer:
+    """An in-memory core/v1 API server (Pods, Nodes) served over real HTTP/1.1."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        history_size: int = 1000,
+        bookmark_interval_s: float = 1.0,
+    ) -> None:
+        if history_size < 1:
+            raise ValueError("history_size must be >= 1")
+        self._host = host
+        self._port = port
+        self._history_size = history_size
+        self._bookmark_interval_s = bookmark_interval_s
+        self._cond = threading.Condition(threading.RLock())
+        self._rv = _INITIAL_RV
+        self._floor = _INITIAL_RV  # a watch may resume from any rv >= floor
+        self._history: collections.deque[_Event] = collections.deque()
+        self._store: dict[str, dict[tuple[str, str], JSON]] = {r: {} for r in _RESOURCES}
+        self._down = False
+        self._delay_s = 0.0
+        self._stopping = threading.Event()
+        self._log: list[tuple[str, str]] = []
+        self._conns: dict[threading.Thread, socket.socket] = {}
+        self._conn_lock = threading.Lock()
+        self._httpd: _HTTPServer | None = None
+        self._serve_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Bind and serve in a daemon thread (``port=0`` picks a free port)."""
+        if self._httpd is not None:
+            raise RuntimeError("FakeApiServer already started")
+        self._stopping.clear()
+        httpd = _HTTPServer((self._host, self._port), self)
+        self._httpd = httpd
+        self._port = httpd.server_address[1]
+        self._serve_thread = threading.Thread(
+            target=httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"{THREAD_PREFIX}-accept",
+            daemon=True,
+        )
+        self._serve_thread.start()
+
+    def stop(self) -> None:
+        """Stop serving: cut open watches and keep-alive connections, join all threads."""
+        httpd = self._httpd
+        if httpd is None:
+            return
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        httpd.shutdown()
+        httpd.server_close()
+        if self._serve_thread is not None:
+            self._serve_thread.join(timeout=1.0)
+        with self._conn_lock:
+            conns = list(self._conns.items())
+        for _, sock in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + 1.0
+        for thread, _ in conns:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._httpd = None
+        self._serve_thread = None
+
+    def __enter__(self) -> FakeApiServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:41234`` (the real port once started)."""
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self._port}"
+
+    def write_kubeconfig(self, path: Path) -> None:
+        """Write a kubeconfig (no auth) pointing at :attr:`url`."""
+        server = json.dumps(self.url)  # a JSON string is a valid YAML double-quoted scalar
+        path.write_text(
+            "apiVersion: v1\n"
+            "kind: Config\n"
+            "clusters:\n"
+            "- name: vgpu-sim\n"
+            "  cluster:\n"
+            f"    server: {server}\n"
+            "users:\n"
+            "- name: vgpu-sim\n"
+            "  user: {}\n"
+            "contexts:\n"
+            "- name: vgpu-sim\n"
+            "  context:\n"
+            "    cluster: vgpu-sim\n"
+            "    user: vgpu-sim\n"
+            "    namespace: default\n"
+            "current-context: vgpu-sim\n",
+            encoding="utf-8",
+        )
+
+    # ------------------------------------------------------------------ fault injection
+
+    def set_down(self, down: bool) -> None:
+        """While down every request answers 503 and open watches are cut at once."""
+        with self._cond:
+            self._down = down
+            self._cond.notify_all()
+
+    def set_delay(self, delay_s: float) -> None:
+        """Every request waits ``delay_s`` seconds before it is answered."""
+        with self._cond:
+            self._delay_s = max(0.0, delay_s)
+
+    def compact(self) -> None:
+        """Forget the watch history, like an etcd compaction: resuming older rvs gets 410."""
+        with self._cond:
+            self._history.clear()
+            self._floor = self._rv
+            self._cond.notify_all()
+
+    @property
+    def request_count(self) -> int:
+        """Total requests received (including those answered 503 while down)."""
+        with self._cond:
+            return len(self._log)
+
+    def requests(self) -> list[tuple[str, str]]:
+        """A copy of the ``(method, path?query)`` request log."""
+        with self._cond:
+            return list(self._log)
+
+    @property
+    def resource_version(self) -> int:
+        """The current global resourceVersion."""
+        with self._cond:
+            return self._rv
+
+    # ------------------------------------------------------------------ the store
+
+    def add_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """Store a pod (emits ADDED) and return the stored copy."""
+        return self._add("pods", pod)
+
+    def update_pod(
+        self, namespace: str, name: str, mutate: Callable[[dict[str, Any]], None]
+    ) -> dict[str, Any]:
+        """Apply ``mutate`` to a copy of the pod and store it (emits MODIFIED).
+
+        ``mutate`` runs under the server lock; name, namespace and uid cannot change.
+        A mutation that changes nothing does not bump the resourceVersion.
+        """
+        return self._update("pods", (namespace, name), mutate)
+
+    def set_pod_phase(self, namespace: str, name: str, phase: str) -> dict[str, Any]:
+        def mutate(pod: dict[str, Any]) -> None:
+            status = pod.get("status")
+            if not isinstance(status, dict):
+                status = pod["status"] = {}
+            status["phase"] = phase
+
+        return self._update("pods", (namespace, name), mutate)
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        """Remove a pod at once (emits DELETED); ``KeyError`` if it does not exist."""
+        self._delete("pods", (namespace, name))
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get("pods", (namespace, name))
+
+    def pods(self) -> list[dict[str, Any]]:
+        return self._list("pods")
+
+    def add_node(self, node: dict[str, Any]) -> dict[str, Any]:
+        """Store a node (emits ADDED) and return the stored copy."""
+        return self._add("nodes", node)
+
+    def get_node(self, name: str) -> dict[str, Any] | None:
+        return self._get("nodes", ("", name))
+
+    # ------------------------------------------------------------------ store internals
+
+    def _record(self, resource: str, etype: str, obj: JSON, prev: JSON | None) -> None:
+        """Append an event for ``obj`` (already stamped with ``self._rv``). Lock held."""
+        if len(self._history) >= self._history_size:
+            self._floor = self._history.popleft().rv
+        self._history.append(_Event(self._rv, resource, etype, copy.deepcopy(obj), prev))
+        self._cond.notify_all()
+
+    def _add(self, resource: str, obj: JSON) -> JSON:
+        kind, namespaced = _RESOURCES[resource]
+        new = copy.deepcopy(obj)
+        new["apiVersion"] = "v1"
+        new["kind"] = kind
+        meta = new.get("metadata")
+        if not isinstance(meta, dict) or not meta.get("name"):
+            raise ValueError(f"{kind} needs metadata.name")
+        if namespaced:
+            meta["namespace"] = meta.get("namespace") or "default"
+        else:
+            meta.pop("namespace", None)
+        meta["uid"] = meta.get("uid") or str(uuid.uuid4())
+        meta["creationTimestamp"] = meta.get("creationTimestamp") or _now_rfc3339()
+        if resource == "pods":
+            spec = new.get("spec")
+            if not isinstance(spec, dict):
+                spec = new["spec"] = {}
+            spec.setdefault("containers", [])
+            status = new.get("status")
+            if not isinstance(status, dict):
+                status = new["status"] = {}
+            status["phase"] = status.get("phase") or "Pending"
+        key = (meta.get("namespace", ""), meta["name"])
+        with self._cond:
+            if key in self._store[resource]:
+                raise ValueError(f'{resource} "{key[1]}" already exists')
+            self._rv += 1
+            meta["resourceVersion"] = str(self._rv)
+            self._store[resource][key] = new
+            self._record(resource, "ADDED", new, None)
+            return copy.deepcopy(new)
+
+    def _commit(self, resource: str, key: tuple[str, str], cur: JSON, new: JSON) -> JSON:
+        """Store ``new`` in place of ``cur`` (emits MODIFIED unless unchanged). Lock held."""
+        meta = new.get("metadata")
+        if not isinstance(meta, dict):
+            meta = new["metadata"] = {}
+        old_meta = cur["metadata"]
+        for pinned in ("name", "namespace", "uid", "creationTimestamp", "resourceVersion"):
+            if pinned in old_meta:
+                meta[pinned] = old_meta[pinned]
+            else:
+                meta.pop(pinned, None)
+        new["apiVersion"] = cur["apiVersion"]
+        new["kind"] = cur["kind"]
+        if new == cur:
+            return copy.deepcopy(cur)
+        self._rv += 1
+        meta["resourceVersion"] = str(self._rv)
+        self._store[resource][key] = new
+        self._record(resource, "MODIFIED", new, cur)
+        return copy.deepcopy(new)
+
+    def _update(self, resource: str, key: tuple[str, str], mutate: Callable[[JSON], None]) -> JSON:
+        with self._cond:
+            cur = self._store[resource].get(key)
+            if cur is None:
+                raise KeyError(f"{resource} {key[0]}/{key[1]} not found")
+            new = copy.deepcopy(cur)
+            mutate(new)
+            return self._commit(resource, key, cur, new)
+
+    def _delete(self, resource: str, key: tuple[str, str]) -> None:
+        with self._cond:
+            cur = self._store[resource].pop(key, None)
+            if cur is None:
+                raise KeyError(f"{resource} {key[0]}/{key[1]} not found")
+            self._rv += 1
+            gone = copy.deepcopy(cur)
+            gone["metadata"]["resourceVersion"] = str(self._rv)
+            self._record(resource, "DELETED", gone, None)
+
+    def _get(self, resource: str, key: tuple[str, str]) -> JSON | None:
+        with self._cond:
+            obj = self._store[resource].get(key)
+            return copy.deepcopy(obj) if obj is not None else None
+
+    def _list(self, resource: str) -> list[JSON]:
+        with self._cond:
+            return [copy.deepcopy(o) for _, o in sorted(self._store[resource].items())]
+
+    # ------------------------------------------------------------------ HTTP side
+
+    def _track(self, thread: threading.Thread, sock: socket.socket) -> None:
+        with self._conn_lock:
+            self._conns[thread] = sock
+
+    def _untrack(self, thread: threading.Thread) -> None:
+        with self._conn_lock:
+            self._conns.pop(thread, None)
+
+    def _begin_request(self, method: str, target: str) -> None:
+        """Log the request, apply the delay, refuse it while down."""
+        with self._cond:
+            self._log.append((method, target))
+            delay = self._delay_s
+        if self._stopping.is_set():
+            raise _Abort
+        if delay > 0 and self._stopping.wait(delay):
+            raise _Abort
+        with self._cond:
+            if self._down:
+                raise _ApiError(503, "the fake API server is down")
+
+    def _route(
+        self, method: str, target: str, ctype: str, body: bytes
+    ) -> tuple[int, JSON] | _WatchState:
+        split = urlsplit(target)
+        query = {k: v[-1] for k, v in parse_qs(split.query, keep_blank_values=True).items()}
+        segs = [unquote(s) for s in split.path.split("/") if s]
+        if method == "GET" and segs in (["api"], ["apis"], ["version"], ["api", "v1"]):
+            return 200, self._discovery(segs)
+        if segs[:2] != ["api", "v1"] or len(segs) < 3:
+            raise _ApiError(404, "the server could not find the requested resource")
+        rest = segs[2:]
+        namespace: str | None = None
+        if rest[0] == "namespaces" and len(rest) >= 3:
+            namespace, rest = rest[1], rest[2:]
+        resource = rest[0]
+        if resource not in _RESOURCES or len(rest) > 2:
+            raise _ApiError(404, "the server could not find the requested resource")
+        namespaced = _RESOURCES[resource][1]
+        if namespace is not None and not namespaced:
+            raise _ApiError(404, "the server could not find the requested resource")
+        if len(rest) == 1:
+            if method != "GET":
+                raise _ApiError(405, f"{method} is not supported on a {resource} collection")
+            if query.get("watch", "").lower() in ("true", "1"):
+                return self._open_watch(resource, namespace, query)
+            return 200, self._list_response(resource, namespace, query)
+        name = rest[1]
+        if namespaced and namespace is None:
+            raise _ApiError(404, "the server could not find the requested resource")
+        key = (namespace or "", name)
+        if method == "GET":
+            obj = self._get(resource, key)
+            if obj is None:
+                raise _ApiError(404, f'{resource} "{name}" not found', name=name, kind=resource)
+            return 200, obj
+        if method == "PATCH":
+            return 200, self._patch(resource, key, ctype, body)
+        raise _ApiError(405, f"{method} is not supported on {resource}")
+
+    def _discovery(self, segs: list[str]) -> JSON:
+        if segs == ["api"]:
+            return {
+                "kind": "APIVersions",
+                "versions": ["v1"],
+                "serverAddressByClientCIDRs": [
+                    {"clientCIDR": "0.0.0.0/0", "serverAddress": f"{self._host}:{self._port}"}
+                ],
+            }
+        if segs == ["apis"]:
+            return {"kind": "APIGroupList", "apiVersion": "v1", "groups": []}
+        if segs == ["version"]:
+            return {
+                "major": "1",
+                "minor": "31",
+                "gitVersion": "v1.31.0-vgpu-fake",
+                "gitCommit": "0000000000000000000000000000000000000000",
+                "gitTreeState": "clean",
+                "buildDate": "1970-01-01T00:00:00Z",
+                "goVersion": "go1.22.0",
+                "compiler": "gc",
+                "platform": "linux/amd64",
+            }
+        return {
+            "kind": "APIResourceList",
+            "groupVersion": "v1",
+            "resources": [
+                {
+                    "name": resource,
+                    "singularName": kind.lower(),
+                    "namespaced": namespaced,
+                    "kind": kind,
+                    "verbs": ["get", "list", "watch", "patch"],
+                }
+                for resource, (kind, namespaced) in _RESOURCES.items()
+            ],
+        }
+
+    def _selector(self, resource: str, namespace: str | None, query: dict[str, str]) -> _Selector:
+        return _Selector(
+            namespace=namespace,
+            fields=_parse_field_selector(resource, query.get("fieldSelector", "")),
+            labels=_parse_label_selector(query.get("labelSelector", "")),
+        )
+
+    def _list_response(self, resource: str, namespace: str | None, query: dict[str, str]) -> JSON:
+        selector = self._selector(resource, namespace, query)
+        with self._cond:
+            items = [
+                copy.deepcopy(obj)
+                for _, obj in sorted(self._store[resource].items())
+                if selector.matches(obj)
+            ]
+            rv = self._rv
+        for item in items:  # the real server omits kind/apiVersion on list items
+            item.pop("kind", None)
+            item.pop("apiVersion", None)
+        return {
+            "kind": f"{_RESOURCES[resource][0]}List",
+            "apiVersion": "v1",
+            "metadata": {"resourceVersion": str(rv)},
+            "items": items,
+        }
+
+    def _patch(self, resource: str, key: tuple[str, str], ctype: str, body: bytes) -> JSON:
+        media = ctype.split(";", 1)[0].strip().lower()
+        try:
+            patch = json.loads(body or b"null")
+        except ValueError as err:
+            raise _ApiError(400, f"invalid JSON patch body: {err}") from None
+        apply: Callable[[JSON], Any]
+        if media in (_MERGE_PATCH, _STRATEGIC_PATCH):
+            if not isinstance(patch, dict):
+                raise _ApiError(400, "a merge patch must be a JSON object")
+            merge: JSON = patch
+
+            def apply(doc: JSON) -> Any:
+                return _merge_patch(doc, merge)
+
+        elif media == _JSON_PATCH:
+            if not isinstance(patch, list):
+                raise _ApiError(400, "a JSON patch must be a JSON array")
+            ops: list[Any] = patch
+
+            def apply(doc: JSON) -> Any:
+                return _json_patch(doc, ops)
+
+        else:
+            raise _ApiError(415, f"the body of the request was in an unknown format: {media}")
+        with self._cond:
+            cur = self._store[resource].get(key)
+            if cur is None:
+                raise _ApiError(404, f'{resource} "{key[1]}" not found', name=key[1], kind=resource)
+            new = apply(copy.deepcopy(cur))
+            if not isinstance(new, dict):
+                raise _ApiError(422, "the patched object is not a JSON object")
+            meta = new.get("metadata")
+            wanted = meta.get("resourceVersion") if isinstance(meta, dict) else None
+            if wanted is not None and wanted != cur["metadata"]["resourceVersion"]:
+                raise _ApiError(
+                    409,
+                    f'Operation cannot be fulfilled on {resource} "{key[1]}": the object has '
+                    "been modified; please apply your changes to the latest version and try again",
+                    name=key[1],
+                    kind=resource,
+                )
+            return self._commit(resource, key, cur, new)
+
+    def _open_watch(
+        self, resource: str, namespace: str | None, query: dict[str, str]
+    ) -> _WatchState:
+        selector = self._selector(resource, namespace, query)
+        timeout_s: float | None = None
+        if query.get("timeoutSeconds"):
+            try:
+                timeout_s = float(query["timeoutSeconds"])
+            except ValueError:
+                raise _ApiError(400, "invalid timeoutSeconds") from None
+        now = time.monotonic()
+        bookmarks = query.get("allowWatchBookmarks", "").lower() in ("true", "1")
+        rv_text = query.get("resourceVersion", "")
+        with self._cond:
+            state = _WatchState(
+                resource=resource,
+                selector=selector,
+                cursor=self._rv,
+                deadline=now + timeout_s if timeout_s is not None and timeout_s > 0 else None,
+                next_bookmark=now + self._bookmark_interval_s if bookmarks else None,
+            )
+            if rv_text in ("", "0"):
+                # "any version": synthetic ADDED for the current state, then live events
+                state.initial = [
+                    {"type": "ADDED", "object": copy.deepcopy(obj)}
+                    for _, obj in sorted(self._store[resource].items())
+                    if selector.matches(obj)
+                ]
+                return state
+            try:
+                state.cursor = int(rv_text)
+            except ValueError:
+                raise _ApiError(400, f"invalid resourceVersion: {rv_text!r}") from None
+            if state.cursor < self._floor:
+                state.initial = [self._expired_event(state.cursor)]
+                state.finished = True
+            return state
+
+    def _expired_event(self, rv: int) -> JSON:
+        return {
+            "type": "ERROR",
+            "object": _status(410, f"too old resource version: {rv} ({self._floor})", "Expired"),
+        }
+
+    def _pending(self, state: _WatchState) -> list[JSON]:
+        """Events after ``state.cursor`` that this watch should see. Lock held."""
+        newer: list[_Event] = []
+        for event in reversed(self._history):
+            if event.rv <= state.cursor:
+                break
+            newer.append(event)
+        state.cursor = self._rv
+        out: list[JSON] = []
+        for event in reversed(newer):
+            if event.resource != state.resource:
+                continue
+            now = state.selector.matches(event.obj)
+            if event.type == "MODIFIED" and event.prev is not None:
+                before = state.selector.matches(event.prev)
+                etype = {
+                    (True, True): "MODIFIED",
+                    (True, False): "DELETED",
+                    (False, True): "ADDED",
+                }.get((before, now))
+            else:
+                etype = event.type if now else None
+            if etype is not None:
+                out.append({"type": etype, "object": event.obj})
+        return out
+
+    def _watch_iter(
+        self, state: _WatchState, client_gone: Callable[[], bool]
+    ) -> Iterator[list[JSON]]:
+        """Batches of watch events; raises :class:`_Abort` when down or stopping."""
+        if state.initial:
+            yield state.initial
+        if state.finished:
+            return
+        kind = _RESOURCES[state.resource][0]
+        while True:
+            with self._cond:
+                while True:
+                    if self._stopping.is_set() or self._down:
+                        raise _Abort
+                    if state.cursor < self._floor:
+                        out = [self._expired_event(state.cursor)]
+                        state.finished = True
+                        break
+                    out = self._pending(state)
+                    if out:
+                        break
+                    now = time.monotonic()
+                    if state.deadline is not None and now >= state.deadline:
+                        return
+                    if state.next_bookmark is not None and now >= state.next_bookmark:
+                        state.next_bookmark = now + self._bookmark_interval_s
+                        meta = {"resourceVersion": str(state.cursor)}
+                        out = [
+                            {
+                                "type": "BOOKMARK",
+                                "object": {"kind": kind, "apiVersion": "v1", "metadata": meta},
+                            }
+                        ]
+                        break
+                    wait = _WAIT_SLICE_S
+                    for limit in (state.deadline, state.next_bookmark):
+                        if limit is not None:
+                            wait = min(wait, limit - now)
+                    self._cond.wait(max(wait, 0.001))
+                    if client_gone():
+                        return
+            yield out
+            if state.finished:
+                return
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def make_pod(
+    name: str,
+    *,
+    node: str,
+    namespace: str = "default",
+    containers: list[dict[str, Any]] | None = None,
+    init_containers: list[dict[str, Any]] | None = None,
+    phase: str = "Pending",
+    creation_timestamp: str | None = None,
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A v1 Pod dict bound to ``node``, ready for :meth:`FakeApiServer.add_pod`.
+
+    ``containers`` items look like ``{"name": "main", "resources": {"limits": {...}}}``;
+    missing names become ``c0``, ``c1``... and a pause image is filled in.  Without
+    ``containers`` the pod has one container ``main`` with no resources.
+    """
+
+    def fill(items: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
+        out = []
+        for i, item in enumerate(items):
+            c = copy.deepcopy(item)
+            c.setdefault("name", f"{prefix}{i}")
+            c.setdefault("image", _DEFAULT_IMAGE)
+            out.append(c)
+        return out
+
+    meta: JSON = {"name": name, "namespace": namespace}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    if creation_timestamp is not None:
+        meta["creationTimestamp"] = creation_timestamp
+    spec: JSON = {
+        "nodeName": node,
+        "containers": fill(containers if containers is not None else [{"name": "main"}], "c"),
+    }
+    if init_containers:
+        spec["initContainers"] = fill(init_containers, "init")
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": spec,
+        "status": {"phase": phase},
+    }
