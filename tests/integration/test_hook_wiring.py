@@ -1,0 +1,87 @@
+"""The plugin installs the hook library under a versioned name and preloads it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vgpu.sim.harness import SimNode
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(90)
+def test_allocate_mounts_and_preloads_the_installed_hook(tmp_path: Path) -> None:
+    library = tmp_path / "libvgpu.so"
+    shutil.copy(ROOT / "hooks" / "build" / "libvgpu.so", library)  # built by `make -C hooks`
+    node = SimNode()
+    hook_dir = node.root / "hook"
+    node.daemon_args = ["--hook-library", str(library), "--hook-dir", str(hook_dir)]
+    node.start()
+    try:
+        installed = sorted(hook_dir.glob("libvgpu-*.so"))
+        assert len(installed) == 1
+        assert installed[0].read_bytes() == library.read_bytes()
+        first = installed[0]
+
+        sliced = node.submit(node.pod("nb", {node.core: 30, node.memory: 40}))
+        assert sliced.ok, sliced.error
+        c = sliced.containers[0]
+        in_container = f"/usr/local/vgpu/{first.name}"
+        assert c.envs["LD_PRELOAD"] == in_container
+        mounts = {m.container_path: m for m in c.mounts}
+        assert mounts[in_container].host_path == str(first)
+        assert mounts[in_container].read_only
+        assert not mounts["/var/run/vgpu"].read_only
+        assert c.clashes == []
+
+        whole = node.submit(node.pod("train", {node.core: 100}))
+        assert whole.ok
+        assert "LD_PRELOAD" not in whole.containers[0].envs  # a whole card needs no limits
+
+        # A new library version never overwrites the file running containers have mapped.
+        node.stop_daemon()
+        library.write_bytes(library.read_bytes() + b"\0")
+        first_bytes = first.read_bytes()
+        node.start_daemon()
+        installed = sorted(hook_dir.glob("libvgpu-*.so"))
+        assert len(installed) == 2
+        assert first.read_bytes() == first_bytes
+        again = node.submit(node.pod("nb2", {node.core: 10, node.memory: 4}))
+        assert again.ok
+        assert again.containers[0].envs["LD_PRELOAD"] != in_container
+    finally:
+        node.close()
+
+
+@pytest.mark.timeout(30)
+def test_missing_hook_library_is_a_clear_start_error(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vgpu",
+            "serve",
+            "--backend",
+            "mock",
+            "--mock-gpus",
+            "preset:1xH200",
+            "--device-plugin-dir",
+            str(tmp_path / "dp"),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--hook-library",
+            str(tmp_path / "nope.so"),
+            "--hook-dir",
+            str(tmp_path / "hook"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=25,
+    )
+    assert result.returncode == 2
+    assert "hook library" in result.stderr and "Traceback" not in result.stderr
