@@ -1,0 +1,140 @@
+"""The Dockerfile's structural contract, checked from its text (no Docker engine needed)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+CONFIGMAP = ROOT / "deploy" / "03-configmap.yaml"
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for line in DOCKERFILE.read_text().splitlines():
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        full = pending + stripped
+        pending = ""
+        word, _, rest = full.partition(" ")
+        out.append((word.upper(), rest.strip()))
+    assert not pending, "the Dockerfile ends inside a continued line"
+    return out
+
+
+def _args() -> dict[str, str]:
+    """Default values of ARGs declared before the first FROM."""
+    defaults: dict[str, str] = {}
+    for word, rest in _instructions():
+        if word == "FROM":
+            break
+        if word == "ARG" and "=" in rest:
+            name, _, value = rest.partition("=")
+            defaults[name] = value
+    return defaults
+
+
+def _stages() -> list[list[tuple[str, str]]]:
+    stages: list[list[tuple[str, str]]] = []
+    for word, rest in _instructions():
+        if word == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append((word, rest))
+    return stages
+
+
+def _base_images() -> list[str]:
+    defaults = _args()
+    images = []
+    for stage in _stages():
+        image = stage[0][1].split()[0]
+        images.append(re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], image))
+    return images
+
+
+def _hook_library_path() -> str:
+    configmap = yaml.safe_load(CONFIGMAP.read_text())
+    path: str = yaml.safe_load(configmap["data"]["config.yaml"])["hook_library"]
+    return path
+
+
+def test_two_stages_from_a_pinned_slim_python() -> None:
+    images = _base_images()
+    assert len(images) == 2
+    for image in images:
+        name, _, tag = image.partition(":")
+        assert name == "python", image
+        assert tag and tag != "latest", f"{image}: pin a version tag"
+        assert tag.startswith("3.11-slim"), image
+
+
+def test_build_stage_builds_the_hook_and_the_wheel() -> None:
+    build = _stages()[0]
+    assert " AS " in build[0][1].upper()
+    runs = " ".join(rest for word, rest in build if word == "RUN")
+    assert "build-essential" in runs
+    assert "make -C hooks" in runs
+    assert "pip wheel" in runs
+
+
+def test_runtime_stage_has_no_compilers_and_installs_the_wheel() -> None:
+    runtime = _stages()[1]
+    text = " ".join(rest for _, rest in runtime)
+    assert "build-essential" not in text and "gcc" not in text and "apt-get" not in text
+    runs = " ".join(rest for word, rest in runtime if word == "RUN")
+    assert "pip install" in runs and "--no-index" in runs
+
+
+def test_the_hook_library_lands_where_the_configmap_looks() -> None:
+    copies = [rest for word, rest in _stages()[1] if word == "COPY"]
+    target = _hook_library_path()
+    assert any(
+        rest.startswith("--from=build ")
+        and rest.split()[-2].endswith("hooks/build/libvgpu.so")
+        and rest.split()[-1] == target
+        for rest in copies
+    ), copies
+
+
+def test_entrypoint_and_default_args() -> None:
+    runtime = dict(_stages()[1])
+    assert json.loads(runtime["ENTRYPOINT"]) == ["vgpu", "serve"]
+    assert json.loads(runtime["CMD"]) == ["--config", "/etc/vgpu/config.yaml"]
+    assert runtime["USER"] == "root"
+    assert "org.opencontainers.image.source" in runtime["LABEL"]
+
+
+def test_nothing_is_fetched_by_add() -> None:
+    for instruction, rest in _instructions():
+        if instruction == "ADD":
+            assert not re.search(r"https?://", rest), rest
+
+
+def test_no_secrets_in_the_image() -> None:
+    for instruction, rest in _instructions():
+        if instruction in ("ENV", "ARG", "LABEL"):
+            assert not re.search(r"(?i)(password|secret|token|api_?key)", rest), rest
+
+
+def test_dockerignore_keeps_the_context_small() -> None:
+    patterns = {
+        line.strip()
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    required = {".git", ".venv", "hooks/build", "build", "dist", ".pytest_cache", ".mypy_cache"}
+    assert required <= patterns
