@@ -1,0 +1,27 @@
+/* Lazy, once-per-process set-up: limits, fork handling. */
+#include <pthread.h>
+
+#include "vgpu.h"
+
+struct vgpu_config vgpu_cfg = {VGPU_NO_LIMIT, 0};
+int vgpu_ready;
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+
+static void after_fork_child(void)
+{
+    vgpu_budget_after_fork();
+    vgpu_memory_after_fork();
+    vgpu_throttle_after_fork();
+}
+
+static void init(void)
+{
+    vgpu_config_load(&vgpu_cfg);
+    pthread_atfork(NULL, NULL, after_fork_child);
+    __atomic_store_n(&vgpu_ready, 1, __ATOMIC_RELEASE);
+}
+
+void vgpu_init_slow(void)
+{
+    pthread_once(&init_once, init);
+}
