@@ -1,4 +1,4 @@
-"""deploy/README.md's config reference stays in step with vgpu.config.KEYS."""
+"""The README's config reference stays in step with vgpu.config.KEYS."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from vgpu.config import KEYS, Settings
 
-README = Path(__file__).resolve().parents[2] / "deploy" / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 ROW = re.compile(r"^\| `(\w+)` \| (.+?) \| (.+) \|$")
 
 
