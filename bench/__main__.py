@@ -1,0 +1,212 @@
+"""``python -m bench [--quick] [--out FILE] [--only SECTION ...]``: run, print, write JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from bench import admission, footprint, hooks, packing, scale
+from bench.common import Json, machine
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
+
+
+@dataclass(frozen=True)
+class Plan:
+    admissions: int
+    scale_repeats: int
+    churn: int
+    idle_s: float
+    arrivals: int
+    settle_limit_s: float
+
+
+FULL = Plan(
+    admissions=400, scale_repeats=3, churn=1000, idle_s=30.0, arrivals=4000, settle_limit_s=90.0
+)
+QUICK = Plan(
+    admissions=60, scale_repeats=1, churn=200, idle_s=5.0, arrivals=300, settle_limit_s=15.0
+)
+
+
+def sections(plan: Plan) -> dict[str, Callable[[], Json]]:
+    return {
+        "admission": lambda: admission.run(plan.admissions),
+        "scale": lambda: scale.run(plan.scale_repeats),
+        "footprint": lambda: footprint.run(plan.churn, plan.idle_s, plan.settle_limit_s),
+        "packing": lambda: packing.run(plan.arrivals),
+        "hooks": hooks.run,
+    }
+
+
+# ------------------------------------------------------------------------------- printing
+
+
+def _rows_admission(r: Json) -> list[list[str]]:
+    rows = [["", "vgpu p50", "vgpu p99", "null p50", "null p99", "p50 x", "p99 x"]]
+    for kind, ratio in r["ratios"].items():
+        v, n = r["vgpu"][kind], r["null"][kind]
+        rows.append(
+            [
+                f"{kind} (ms)",
+                f"{v['p50_ms']:.2f}",
+                f"{v['p99_ms']:.2f}",
+                f"{n['p50_ms']:.2f}",
+                f"{n['p99_ms']:.2f}",
+                f"{ratio['p50']:.2f}",
+                f"{ratio['p99']:.2f}",
+            ]
+        )
+    return rows
+
+
+def _rows_scale(r: Json) -> list[list[str]]:
+    rows = [["shape", "core IDs", "memory IDs", "core msg B", "memory msg B", "start s"]]
+    for s in r["shapes"]:
+        rows.append(
+            [
+                s["shape"],
+                str(s["devices"]["vcuda-core"]),
+                str(s["devices"]["vcuda-memory"]),
+                str(s["message_bytes"]["vcuda-core"]),
+                str(s["message_bytes"]["vcuda-memory"]),
+                f"{s['startup_s']:.2f}",
+            ]
+        )
+    return rows
+
+
+def _rows_footprint(r: Json) -> list[list[str]]:
+    return [
+        ["RSS MiB: start", "half", "end", "growth", "idle CPU %", "threads"],
+        [
+            f"{r['rss_start_mib']:.1f}",
+            f"{r['rss_half_mib']:.1f}",
+            f"{r['rss_end_mib']:.1f}",
+            f"{r['rss_growth_mib']:+.2f}",
+            f"{r['idle_cpu_percent']:.3f}",
+            str(r["threads"]),
+        ],
+    ]
+
+
+def _rows_packing(r: Json) -> list[list[str]]:
+    rows = [
+        ["load", "policy", "arrivals", "frag refused", "capacity refused", "core util", "mem util"]
+    ]
+    for run in r["runs"]:
+        rows.append(
+            [
+                f"{run['load']:.1f}",
+                run["policy"],
+                str(run["arrivals"]),
+                f"{run['fragmentation_share'] * 100:.1f}%",
+                str(run["capacity_refusals"]),
+                f"{run['mean_core_utilisation'] * 100:.1f}%",
+                f"{run['mean_memory_utilisation'] * 100:.1f}%",
+            ]
+        )
+    return rows
+
+
+def _rows_hooks(r: Json) -> list[list[str]]:
+    if not r.get("available"):
+        return [["not available", r.get("reason", "")]]
+    return [[k, f"{v} ns"] for k, v in r["metrics"].items()]
+
+
+ROWS: dict[str, Callable[[Json], list[list[str]]]] = {
+    "admission": _rows_admission,
+    "scale": _rows_scale,
+    "footprint": _rows_footprint,
+    "packing": _rows_packing,
+    "hooks": _rows_hooks,
+}
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)) for row in rows
+    )
+
+
+def render(results: Json) -> str:
+    out: list[str] = []
+    for name, section in results["sections"].items():
+        out.append(f"\n== {name} ({section.get('seconds', 0):.1f} s)")
+        if "error" in section:
+            out.append(f"  ERROR: {section['error']}")
+            continue
+        out.append(_table(ROWS[name](section)))
+        for t in section.get("targets", []):
+            verdict = "PASS" if t["passed"] else "MISS"
+            out.append(
+                f"  [{verdict}] {t['name']}: {t['value']} {t['unit']} (target <= {t['limit']})"
+            )
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small counts (CI, under a minute)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON file ({DEFAULT_OUT})")
+    parser.add_argument(
+        "--only", nargs="+", choices=list(ROWS), metavar="SECTION", help="run only these"
+    )
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    started = time.perf_counter()
+    results: Json = {
+        "meta": {
+            "mode": "quick" if args.quick else "full",
+            "started": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": machine(),
+            "plan": plan.__dict__,
+        },
+        "sections": {},
+    }
+    for name, fn in sections(plan).items():
+        if args.only and name not in args.only:
+            continue
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            section = fn()
+        except Exception as exc:  # a broken section is reported, the others still run
+            section = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        section["seconds"] = round(time.perf_counter() - t0, 2)
+        results["sections"][name] = section
+    results["meta"]["seconds"] = round(time.perf_counter() - started, 2)
+    targets = [t for s in results["sections"].values() for t in s.get("targets", [])]
+    results["summary"] = {
+        "targets": len(targets),
+        "passed": sum(1 for t in targets if t["passed"]),
+        "missed": [t["name"] for t in targets if not t["passed"]],
+        "errors": [n for n, s in results["sections"].items() if "error" in s],
+    }
+    print(render(results))
+    summary = results["summary"]
+    print(
+        f"\n{summary['passed']}/{summary['targets']} targets met"
+        + (f"; errors in {', '.join(summary['errors'])}" if summary["errors"] else "")
+        + f"; {results['meta']['seconds']:.1f} s"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"JSON written to {args.out.resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Shared pieces of the benchmarks: targets, percentiles, the machine description."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+Json = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target: ``value`` must be at most ``limit`` (both in ``unit``)."""
+
+    name: str
+    value: float
+    limit: float
+    unit: str
+
+    @property
+    def passed(self) -> bool:
+        return self.value <= self.limit
+
+    def to_json(self) -> Json:
+        return {**asdict(self), "passed": self.passed}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0-100) of a non-empty sequence."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def machine() -> Json:
+    """What the numbers were measured on."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_kib = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+                break
+    except OSError:
+        pass
+    return {
+        "cpus": os.cpu_count() or 0,
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "cpu_model": model,
+        "memory_gib": round(mem_kib / 2**20, 1),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+    }

@@ -1,0 +1,85 @@
+"""`python -m bench --quick` runs end to end and writes every section with numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("admission", "scale", "footprint", "packing", "hooks")
+
+
+def _numbers(value: Any) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int | float):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in _numbers(v)]
+    return []
+
+
+@pytest.mark.timeout(180)
+def test_bench_quick_writes_every_section(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert str(out) in proc.stdout
+    results = json.loads(out.read_text())
+    assert results["meta"]["mode"] == "quick"
+    sections = results["sections"]
+    assert set(SECTIONS) <= set(sections), sorted(sections)
+    for name in SECTIONS:
+        section = sections[name]
+        assert "error" not in section, f"{name}: {section.get('traceback', section['error'])}"
+        assert _numbers(section), f"{name} has no numbers"
+        for target in section["targets"]:
+            assert isinstance(target["value"], int | float), target
+            assert isinstance(target["passed"], bool), target
+
+    admission = sections["admission"]
+    for plugin in ("vgpu", "null"):
+        assert admission[plugin]["failures"] == 0, admission[plugin]
+        for kind in ("GetPreferredAllocation", "Allocate"):
+            assert admission[plugin][kind]["p50_ms"] > 0
+            assert admission[plugin][kind]["p99_ms"] >= admission[plugin][kind]["p50_ms"]
+    assert {t["name"] for t in admission["targets"]} == {
+        "Allocate p50 vs null plugin",
+        "Allocate p99 vs null plugin",
+    }
+
+    shapes = {s["shape"]: s for s in sections["scale"]["shapes"]}
+    assert len(shapes) == 5
+    for shape in shapes.values():
+        assert all(size > 0 for size in shape["message_bytes"].values()), shape
+        assert shape["startup_s"] > 0
+
+    footprint = sections["footprint"]
+    assert footprint["failures"] == 0
+    assert footprint["rss_end_mib"] > 0 and footprint["idle_cpu_percent"] >= 0
+
+    runs = sections["packing"]["runs"]
+    assert {r["policy"] for r in runs} == {"binpack", "spread", "first-fit"}
+    for run in runs:
+        assert 0 <= run["fragmentation_share"] <= 1
+        assert 0 < run["mean_core_utilisation"] <= 1
+
+    hooks = sections["hooks"]
+    if hooks["available"]:
+        assert _numbers(hooks["metrics"])
+    else:
+        assert hooks["reason"]
