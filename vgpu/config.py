@@ -109,6 +109,8 @@ def _convert(key: str, value: Any, source: str) -> Any:
     def bad(allowed: str) -> ConfigError:
         return ConfigError(f"{source}: {key}={value!r} is invalid; allowed: {allowed}")
 
+    if key == "ignored_xids" and value == "":
+        return ()  # an empty list from a flag or the environment: ignore no XID
     if value is None or value == "":
         if key in _OPTIONAL:
             return None

@@ -90,7 +90,7 @@ def preset_cards(spec: str) -> list[Card]:
 def parse_mock(data: Any, source: str) -> list[Card]:
     """Cards from the mock file's data; a reported XID rides on Card.xid."""
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
-        raise ConfigError(f'{source}: expected {{"gpus": [{{"uuid": ..., ...}}, ...]}}')
+        raise ConfigError(f'{source}: gpus: expected {{"gpus": [{{"uuid": ..., ...}}, ...]}}')
     cards: list[Card] = []
     allowed = {"uuid", "name", "memory_mib", "minor", "numa_node", "healthy", "xid", "index"}
     for i, item in enumerate(data["gpus"]):
@@ -104,31 +104,38 @@ def parse_mock(data: Any, source: str) -> list[Card]:
             )
         for key in ("uuid", "name", "memory_mib"):
             if key not in item:
-                raise ConfigError(f"{where}: missing {key!r}")
+                raise ConfigError(
+                    f"{where}.{key}: missing (uuid, name and memory_mib are required)"
+                )
         try:
             uuid = check_card_uuid(str(item["uuid"]))
         except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc.message}") from None
+            raise ConfigError(f"{where}.uuid: {exc.message}") from None
         memory = item["memory_mib"]
         if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
-            raise ConfigError(f"{where}: memory_mib must be a positive whole number of MiB")
+            raise ConfigError(f"{where}.memory_mib: must be a positive whole number of MiB")
         for key in ("minor", "numa_node", "xid", "index"):
             value = item.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ConfigError(f"{where}: {key} must be a whole number or null")
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ConfigError(f"{where}.{key}: must be a whole number >= 0 or null")
         healthy = item.get("healthy", True)
         if not isinstance(healthy, bool):
-            raise ConfigError(f"{where}: healthy must be true or false")
+            raise ConfigError(f"{where}.healthy: must be true or false")
         if any(c.uuid == uuid for c in cards):
-            raise ConfigError(f"{where}: uuid {uuid} appears twice")
-        index = item.get("index", i)
+            raise ConfigError(f"{where}.uuid: {uuid} appears twice")
+        # null means "not given": the position in the list, and minor = index.
+        index = item["index"] if item.get("index") is not None else i
+        if any(c.index == index for c in cards):
+            raise ConfigError(f"{where}.index: {index} appears twice")
         cards.append(
             Card(
                 uuid=uuid,
                 index=index,
                 name=str(item["name"]),
                 memory_mib=memory,
-                minor=int(item["minor"]) if item.get("minor") is not None else index,
+                minor=item["minor"] if item.get("minor") is not None else index,
                 numa_node=item.get("numa_node"),
                 healthy=healthy,
                 xid=item.get("xid"),
@@ -146,11 +153,16 @@ class MockBackend:
         self.source = str(source)
         self.poll_interval_s = poll_interval_s
         self._preset = self.source.startswith("preset:")
+        # The file's stamp as of the last successful read: the watch compares
+        # against what was delivered, so a change made between cards() and
+        # the start of watch() is not lost.
+        self._read_stamp: tuple[int, int, int] | None = None
 
     def _read(self) -> list[Card]:
         if self._preset:
             return preset_cards(self.source)
         path = Path(self.source)
+        stamp = self._stamp(path)  # before reading: a later write is seen as a change
         try:
             text = path.read_text()
         except FileNotFoundError:
@@ -161,7 +173,9 @@ class MockBackend:
             data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (ValueError, yaml.YAMLError) as exc:
             raise ConfigError(f"mock GPU file {path} is not valid JSON/YAML: {exc}") from None
-        return parse_mock(data, f"mock GPU file {path}")
+        cards = parse_mock(data, f"mock GPU file {path}")
+        self._read_stamp = stamp
+        return cards
 
     def cards(self) -> list[Card]:
         """The file's cards; Card.xid carries an injected XID for the daemon to filter."""
@@ -177,7 +191,7 @@ class MockBackend:
             stop.wait()
             return
         path = Path(self.source)
-        last = self._stamp(path)
+        last = self._read_stamp
         while not stop.wait(self.poll_interval_s):
             stamp = self._stamp(path)
             if stamp == last:

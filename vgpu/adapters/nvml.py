@@ -7,10 +7,11 @@ pynvml module is injected so unit tests can pass a stand-in.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from types import ModuleType
 from typing import Any
 
@@ -31,6 +32,19 @@ NO_DRIVER_HINT = (
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _handle_key(handle: Any) -> Hashable:
+    """A key equal for equal device handles.
+
+    pynvml builds a fresh ctypes pointer object for every event, so identity
+    never matches the handle kept from enumeration: compare the address.
+    """
+    if isinstance(handle, ctypes._Pointer):
+        return ("nvmlDevice", ctypes.cast(handle, ctypes.c_void_p).value)
+    if isinstance(handle, Hashable):
+        return handle
+    return ("id", id(handle))
 
 
 class Nvml:
@@ -157,7 +171,7 @@ class NvmlBackend:
                 )
             except BackendError as exc:
                 log.warning("card %s: XID events not supported, health not watched: %s", uuid, exc)
-        by_handle = {id(h): u for u, h in self._handles.items()}
+        by_handle = {_handle_key(h): u for u, h in self._handles.items()}
         next_probe = time.monotonic() + self.probe_interval_s
         try:
             while not stop.is_set():
@@ -184,9 +198,11 @@ class NvmlBackend:
             time.sleep(self.wait_ms / 1000)
             return None
 
-    def _on_xid(self, event: Any, by_handle: dict[int, CardUuid], on_event: EventCallback) -> None:
+    def _on_xid(
+        self, event: Any, by_handle: dict[Hashable, CardUuid], on_event: EventCallback
+    ) -> None:
         xid = int(event.eventData)
-        uuid = by_handle.get(id(event.device))
+        uuid = by_handle.get(_handle_key(event.device))
         if uuid is None:
             try:
                 uuid = CardUuid(_text(self.nvml.call("nvmlDeviceGetUUID", event.device)))

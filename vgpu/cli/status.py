@@ -257,7 +257,7 @@ def render(doc: dict[str, Any], wide: bool = False, color: bool = False) -> str:
 
 
 def run_status(state_dir: Path | None, output: str, color: str) -> int:
-    directory = state_dir or Path(os.environ.get("VGPU_STATE_DIR") or DEFAULT_STATE_DIR)
+    directory = state_dir or DEFAULT_STATE_DIR
     try:
         doc = collect(directory)
     except StatusError as exc:

@@ -16,14 +16,15 @@ from vgpu.core.model import CORE_UNITS_PER_CARD, Card, CardUuid, DeviceId, Resou
 
 MAX_DEVICE_ID_LEN = 63
 MAX_UUID_LEN = 52
-_UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]*$")
+_UUID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*")
+_INDEX_RE = re.compile(r"0|[1-9][0-9]*")
 _KIND = {Resource.CORE: "c", Resource.MEMORY: "m"}
 _RESOURCE_BY_KIND = {v: k for k, v in _KIND.items()}
 
 
 def check_card_uuid(uuid: str) -> CardUuid:
     """Validate that a card UUID can be embedded in device IDs."""
-    if not uuid or len(uuid) > MAX_UUID_LEN or not _UUID_RE.match(uuid):
+    if not uuid or len(uuid) > MAX_UUID_LEN or not _UUID_RE.fullmatch(uuid):
         raise ConfigError(
             f"card uuid {uuid!r} is not usable: it must be 1-{MAX_UUID_LEN} characters of "
             "letters, digits and '-', starting with a letter or digit (e.g. GPU-8f0e3c7a-...)"
@@ -38,10 +39,8 @@ def format_device_id(card: CardUuid, resource: Resource, index: int) -> DeviceId
 def parse_device_id(device_id: str) -> tuple[CardUuid, Resource, int]:
     """Split a device ID into (card, resource, index); UnknownDevice if malformed."""
     card, sep, tail = device_id.rpartition("-")
-    if sep and card and len(tail) >= 2 and tail[0] in _RESOURCE_BY_KIND and tail[1:].isdigit():
-        index = int(tail[1:])
-        if str(index) == tail[1:]:
-            return CardUuid(card), _RESOURCE_BY_KIND[tail[0]], index
+    if sep and card and tail[:1] in _RESOURCE_BY_KIND and _INDEX_RE.fullmatch(tail[1:]):
+        return CardUuid(card), _RESOURCE_BY_KIND[tail[0]], int(tail[1:])
     raise UnknownDevice(
         f"device ID {device_id[:80]!r} is not a vgpu slice ID (expected <card uuid>-c<n> or "
         "<card uuid>-m<n>); only pass IDs this plugin advertised",
