@@ -126,6 +126,9 @@ class Ledger:
         self.set_cards(cards)
         self._pending: _Pending | None = None
         self._claimed: set[tuple[str, str]] = set()
+        # Placements the kubelet is known to have recorded (listed once, or
+        # recovered from an earlier run): no grace once it stops listing them.
+        self._settled: set[str] = set()
 
     # ----------------------------------------------------------------- views
 
@@ -205,7 +208,13 @@ class Ledger:
                     self._held.get((card, resource), set()).discard(device_id)
         if self._pending is not None and self._pending.key == key:
             self._pending = None
+        self._settled.discard(key)
         return placement
+
+    def mark_settled(self, keys: Iterable[str]) -> None:
+        """These placements are known to the kubelet (e.g. recovered at start-up:
+        every Allocate of an earlier run has either reached the kubelet or failed)."""
+        self._settled |= {k for k in keys if k in self.placements}
 
     def set_owner(self, key: str, owner: Owner) -> Placement | None:
         placement = self.placements.get(key)
@@ -220,21 +229,37 @@ class Ledger:
         """Forget claims on containers of pods that are gone."""
         self._claimed &= set(live)
 
-    def reconcile(self, live_ids: Collection[DeviceId], now_s: float) -> list[Placement]:
+    def reconcile(
+        self,
+        live_ids: Collection[DeviceId],
+        now_s: float,
+        gone_pods: Collection[str] = (),
+    ) -> list[Placement]:
         """Release placements the kubelet no longer lists (pod deleted or finished).
 
         `live_ids` are every device ID of ours that the kubelet's pod-resources
-        API lists for an active container. A placement younger than the grace
-        period, or the one being admitted, is kept.
+        API lists for an active container; `gone_pods` are UIDs of pods the API
+        server says are deleted or finished. The one being admitted is kept. A
+        placement the kubelet has not listed yet is kept for the grace period
+        (the kubelet records an allocation only after our answer reached it),
+        unless its pod is gone; one it listed before is released at once.
         """
         released = []
+        live = frozenset(live_ids)
+        gone = frozenset(gone_pods)
         pending_key = self._pending.key if self._pending else None
         for key, placement in list(self.placements.items()):
-            if key == pending_key or now_s - placement.created_s < RECONCILE_GRACE_S:
+            if key == pending_key:
                 continue
-            if not placement.all_ids() & frozenset(live_ids):
-                self.release(key)
-                released.append(placement)
+            if placement.all_ids() & live:
+                self._settled.add(key)
+                continue
+            owner_gone = placement.owner is not None and placement.owner.pod_uid in gone
+            young = now_s - placement.created_s < RECONCILE_GRACE_S
+            if young and key not in self._settled and not owner_gone:
+                continue
+            self.release(key)
+            released.append(placement)
         return released
 
     def _release_offered(self, resource: Resource, available: Collection[DeviceId]) -> list[str]:
@@ -366,8 +391,22 @@ class Ledger:
     def _match(
         self, resource: Resource, size: int, candidates: Sequence[ContainerSpec]
     ) -> ContainerSpec | None:
+        # Containers that already hold a placement (claims are not persisted:
+        # after a restart the owners in the recovered records tell), by UID, or
+        # by name for owners adopted before the pod cache knew the UID.
+        owned: set[tuple[str, ...]] = set()
+        for placement in self.placements.values():
+            o = placement.owner
+            if o is not None:
+                owned.add(
+                    (o.pod_uid, o.container) if o.pod_uid else (o.namespace, o.pod, o.container)
+                )
         for spec in candidates:
-            if spec.ident not in self._claimed and spec.request.units(resource) == size:
+            if spec.ident in self._claimed or spec.ident in owned:
+                continue
+            if (spec.namespace, spec.pod, spec.container) in owned:
+                continue
+            if spec.request.units(resource) == size:
                 return spec
         return None
 
@@ -422,7 +461,7 @@ class Ledger:
 
         spec = self._match(resource, size, candidates)
         pending = self._pending
-        if pending is not None and not must and self._continues(pending, resource, size, spec):
+        if pending is not None and self._continues(pending, resource, size, spec):
             ids = self._ids_on(pending.cards, avail, must, size)
             if len(ids) < size:
                 raise self._refuse(
@@ -471,8 +510,14 @@ class Ledger:
     ) -> bool:
         """Would a GetPreferredAllocation now fall back for lack of a matching pod?"""
         pending = self._pending
-        if pending is not None and self._continues(pending, resource, size, None):
+        if (
+            pending is not None
+            and pending.spec is not None
+            and self._continues(pending, resource, size, None)
+        ):
             return False
+        # An in-flight container without pod information may be stale (its
+        # other resource never came): wait for the pod rather than pair with it.
         return self._match(resource, size, candidates) is None
 
     @staticmethod
@@ -618,7 +663,10 @@ class Ledger:
             new_ids = dict(base.ids)
             new_ids[resource] = ids
             placement = replace(base, ids=new_ids, cards=tuple(dict.fromkeys(base.cards + cards)))
+            settled = base.key in self._settled
             self.release(base.key)
+            if settled:
+                self._settled.add(base.key)
             self._pending = pending
         else:
             core = request.core_percent

@@ -41,6 +41,7 @@ SHARED_MOUNT = "/var/run/vgpu"
 HOOK_MOUNT_DIR = "/usr/local/vgpu"
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 OWNER_SYNC_DELAY_S = 0.3
+ANNOTATE_RETRY_S = 30.0  # re-queue a pod annotation the cache does not show after this
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class PluginService:
         self._owner_timer: threading.Timer | None = None
         self._podres_warned = False
         self._api_degraded = False
+        self._annotated: dict[tuple[str, str, str], float] = {}  # (ns, pod, value) -> queued
         self.refusals: dict[str, int] = {}
 
     # ------------------------------------------------------------ cards
@@ -394,7 +396,8 @@ class PluginService:
         released_count = 0
         annotate: dict[tuple[str, str], None] = {}
         with self._lock:
-            for placement in self.ledger.reconcile(live, self.clock()):
+            gone = self._gone_pods()
+            for placement in self.ledger.reconcile(live, self.clock(), gone):
                 released_count += 1
                 self._forget(placement.key, f"no live container holds it ({reason})")
             for (namespace, pod, container), held in by_container.items():
@@ -404,9 +407,31 @@ class PluginService:
                 if key not in keep:
                     self.store.remove(key)
                     log.info("removed orphaned config directory %s", key)
+        # Every live pod, not only those whose owner changed now: most owners
+        # are known at Allocate already. _annotate skips what is up to date.
+        for namespace, pod, _ in by_container:
+            annotate[(namespace, pod)] = None
         for namespace, pod in annotate:
             self._annotate(namespace, pod)
+        live_pods = set(annotate)
+        self._annotated = {k: v for k, v in self._annotated.items() if k[:2] in live_pods}
         return released_count
+
+    def _gone_pods(self) -> set[str]:
+        """UIDs of placement owners the (synced) pod cache no longer holds: deleted,
+        finished or replaced by a namesake. Empty while the cache is not synced."""
+        if not self.pods.enabled or not self.pods.synced():
+            return set()
+        gone = set()
+        for placement in self.ledger.placements.values():
+            owner = placement.owner
+            if (
+                owner is not None
+                and owner.pod_uid
+                and self.pods.uid_of(owner.namespace, owner.pod) != owner.pod_uid
+            ):
+                gone.add(owner.pod_uid)
+        return gone
 
     def _adopt_or_name(
         self,
@@ -453,8 +478,14 @@ class PluginService:
             if found is not None and found[0] not in cards:
                 cards.append(found[0])
         whole = len(core_ids) >= CORE_UNITS_PER_CARD
+        # The key came from whichever resource the kubelet allocated first, and
+        # the kubelet's saved answer mounts that directory: reuse it if it is
+        # still there (a corrupt or missing record), else take the core IDs'.
+        keys = [placement_key(i) for i in (core_ids, mem_ids) if i]
+        existing = set(self.store.record_keys())
+        key = next((k for k in keys if k in existing), keys[0])
         return Placement(
-            key=placement_key(core_ids or mem_ids),
+            key=key,
             cards=tuple(cards),
             ids={r: frozenset(v) for r, v in ids.items() if v},
             core_percent=CORE_UNITS_PER_CARD if whole else len(core_ids),
@@ -475,9 +506,18 @@ class PluginService:
                 for p in self.ledger.placements.values()
                 if p.owner is not None and p.owner.namespace == namespace and p.owner.pod == pod
             }
-        if mine:
-            key = f"{self.options.domain}/vgpu-placements"
-            self.pods.annotate(namespace, pod, {key: json.dumps(mine, sort_keys=True)})
+        if not mine:
+            return
+        key = f"{self.options.domain}/vgpu-placements"
+        value = json.dumps(mine, sort_keys=True)
+        if self.pods.annotations(namespace, pod).get(key) == value:
+            return  # the API server has it (as the pod cache sees it)
+        queued_s = self._annotated.get((namespace, pod, value))
+        now = time.monotonic()
+        if queued_s is not None and now - queued_s < ANNOTATE_RETRY_S:
+            return  # queued a moment ago; the patch may still be on its way
+        self._annotated[(namespace, pod, value)] = now
+        self.pods.annotate(namespace, pod, {key: value})
 
     def recover(self) -> None:
         """Rebuild the ledger from our records, then check them with the kubelet."""
@@ -485,6 +525,9 @@ class PluginService:
         with self._lock:
             for placement in placements:
                 self.ledger.restore(placement)
+            # Every Allocate of the previous run either reached the kubelet or
+            # failed: a recovered placement the kubelet does not list is dead.
+            self.ledger.mark_settled(p.key for p in placements)
         log.info(
             "recovered %d placement(s) from %s (%d unreadable)",
             len(placements),
