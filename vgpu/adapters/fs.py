@@ -22,6 +22,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,7 @@ class ContainerStore:
 
     def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        self.sweep_trash()
 
     def write(self, placement: Placement) -> ContainerPaths:
         paths = self.paths(placement.key)
@@ -138,9 +140,36 @@ class ContainerStore:
     def remove(self, key: str) -> None:
         shutil.rmtree(self.paths(key).config_dir, ignore_errors=True)
 
+    def discard(self, key: str) -> None:
+        """Move a record out of the way at once; the files go in the background.
+
+        The rename is one syscall, so it can run on the admission path; a dot
+        name is never a record key, and leftovers are swept at start-up.
+        """
+        source = self.paths(key).config_dir
+        trash = self.root / f".trash-{key}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(source, trash)
+        except FileNotFoundError:
+            return
+        except OSError:
+            self.remove(key)
+            return
+        threading.Thread(
+            target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, daemon=True
+        ).start()
+
+    def sweep_trash(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            for entry in self.root.iterdir():
+                if entry.name.startswith(".trash-"):
+                    shutil.rmtree(entry, ignore_errors=True)
+
     def record_keys(self) -> list[str]:
         try:
-            return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+            return sorted(
+                p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
+            )
         except FileNotFoundError:
             return []
 

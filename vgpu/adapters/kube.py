@@ -41,7 +41,13 @@ class PodSource(Protocol):
         """True while the cache is complete and the watch is running."""
         ...
 
-    def wait_change(self, timeout_s: float) -> bool: ...
+    def version(self) -> int:
+        """A counter that moves on every cache change."""
+        ...
+
+    def wait_change(self, since: int, timeout_s: float) -> bool:
+        """Wait until version() differs from `since` (True) or the timeout (False)."""
+        ...
 
     def annotate(self, namespace: str, pod: str, annotations: dict[str, str | None]) -> None:
         """Queue a patch of the pod's annotations (best effort, off the hot path)."""
@@ -67,7 +73,10 @@ class NoPods:
     def synced(self) -> bool:
         return False
 
-    def wait_change(self, timeout_s: float) -> bool:
+    def version(self) -> int:
+        return 0
+
+    def wait_change(self, since: int, timeout_s: float) -> bool:
         return False
 
     def annotate(self, namespace: str, pod: str, annotations: dict[str, str | None]) -> None:
@@ -184,10 +193,13 @@ class KubePodCache:
     def synced(self) -> bool:
         return self._synced
 
-    def wait_change(self, timeout_s: float) -> bool:
+    def version(self) -> int:
         with self._cond:
-            version = self._version
-            return self._cond.wait_for(lambda: self._version != version, timeout_s)
+            return self._version
+
+    def wait_change(self, since: int, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._version != since, timeout_s)
 
     def annotations(self, namespace: str, pod: str) -> dict[str, str]:
         with self._cond:

@@ -112,13 +112,11 @@ def collect(state_dir: Path, now_s: float | None = None) -> dict[str, Any]:
             "containers": 0,
         }
     containers = []
+    # Count each device ID once: an app container that reuses its init
+    # container's IDs shares them with the init's placement.
+    held: dict[str, dict[str, set[str]]] = {}
     for p in sorted(placements, key=lambda p: p.created_s):
         record = placement_record(p, unit)
-        per_card_mem = {
-            uuid: sum(1 for d in record["device_ids"].get("vcuda-memory", []) if d.startswith(uuid))
-            * unit
-            for uuid in p.cards
-        }
         for uuid in p.cards:
             card = cards.get(uuid)
             if card is None:
@@ -135,9 +133,10 @@ def collect(state_dir: Path, now_s: float | None = None) -> dict[str, Any]:
                     "memory_allocated_mib": 0,
                     "containers": 0,
                 }
-            card["core_allocated"] += p.core_percent
-            card["memory_allocated_mib"] += per_card_mem[uuid]
             card["containers"] += 1
+            mine = held.setdefault(uuid, {"vcuda-core": set(), "vcuda-memory": set()})
+            for resource, ids in record["device_ids"].items():
+                mine[resource] |= {d for d in ids if d.startswith(uuid + "-")}
         paths = store.paths(p.key)
         owner = p.owner
         containers.append(
@@ -158,6 +157,9 @@ def collect(state_dir: Path, now_s: float | None = None) -> dict[str, Any]:
                 "card_health": [cards[u]["health"] for u in p.cards],
             }
         )
+    for card_uuid, mine in held.items():
+        cards[card_uuid]["core_allocated"] = len(mine["vcuda-core"])
+        cards[card_uuid]["memory_allocated_mib"] = len(mine["vcuda-memory"]) * unit
     return {
         "node_file": str(node_file),
         "updated_s": node.get("updated_s"),

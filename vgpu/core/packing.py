@@ -444,11 +444,7 @@ class Ledger:
 
         Returns the IDs and the keys of placements found dead on the way.
         """
-        if size <= 0:
-            raise InvalidRequest(
-                f"allocation_size {size} for {resource.full_name(self.domain)} must be positive"
-            )
-        self._check_ids(resource, must_include, "must_include_deviceIDs")
+        self.check_preferred(resource, must_include, size)
         must = [DeviceId(d) for d in must_include]
         avail = [d for d in self._known(resource, available) if d not in set(must)]
         released = self._release_offered(resource, avail)
@@ -504,6 +500,14 @@ class Ledger:
         if spec is not None:
             self._claimed.add(spec.ident)
         return ids, released
+
+    def check_preferred(self, resource: Resource, must_include: Sequence[str], size: int) -> None:
+        """Reject a malformed GetPreferredAllocation before anything else."""
+        if size <= 0:
+            raise InvalidRequest(
+                f"allocation_size {size} for {resource.full_name(self.domain)} must be positive"
+            )
+        self._check_ids(resource, must_include, "must_include_deviceIDs")
 
     def needs_pod_info(
         self, resource: Resource, size: int, candidates: Sequence[ContainerSpec]

@@ -17,7 +17,13 @@ from typing import Any
 
 from vgpu.adapters.fs import ContainerStore, atomic_write
 from vgpu.adapters.kube import PodSource
-from vgpu.adapters.kubelet.servicer import AllocationAnswer, DeviceNode, DeviceView, MountSpec
+from vgpu.adapters.kubelet.servicer import (
+    AllocationAnswer,
+    DeviceNode,
+    DeviceView,
+    MountSpec,
+    PreferredRequest,
+)
 from vgpu.adapters.podresources import PodResourcesClient, PodResourcesUnavailable
 from vgpu.core.errors import InsufficientCapacity
 from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
@@ -86,6 +92,7 @@ class PluginService:
         self._owner_timer: threading.Timer | None = None
         self._podres_warned = False
         self._api_degraded = False
+        self._closed = False
         self._annotated: dict[tuple[str, str, str], float] = {}  # (ns, pod, value) -> queued
         self.refusals: dict[str, int] = {}
 
@@ -178,9 +185,18 @@ class PluginService:
         with self._dev_cond:
             return self._dev_version, self._views[resource]
 
+    def close(self) -> None:
+        """Shutdown: no more owner syncs; every ListAndWatch stream re-checks at once."""
+        self._closed = True
+        timer = self._owner_timer
+        if timer is not None:
+            timer.cancel()
+        with self._dev_cond:
+            self._dev_cond.notify_all()
+
     def wait_devices(self, version: int, timeout_s: float) -> int:
         with self._dev_cond:
-            self._dev_cond.wait_for(lambda: self._dev_version != version, timeout_s)
+            self._dev_cond.wait_for(lambda: self._dev_version != version or self._closed, timeout_s)
             return self._dev_version
 
     def _write_node_file(self) -> None:
@@ -212,15 +228,17 @@ class PluginService:
 
     # --------------------------------------------------------- admission
 
-    def _candidates(self, resource: Resource, size: int) -> list[Any]:
+    def _candidates(self, resource: Resource, size: int, deadline: float) -> list[Any]:
         """Pods that may be the one being admitted; waits (bounded) for the cache.
 
         The kubelet learns of a pod from the API server at about the time we
         do, so a pod missing from the cache usually arrives within
-        milliseconds. We wait at most api_wait_s for it, or for the cache to
-        sync; during an outage only the first admission waits, later ones use
-        the fallback rule at once until the cache is back.
+        milliseconds. We wait until `deadline` at most (api_wait_s per call)
+        for it, or for the cache to sync; during an outage only the first
+        admission waits, later ones use the fallback rule at once until the
+        cache is back.
         """
+        seen = self.pods.version()
         specs = self.pods.candidates()
         if not self.pods.enabled or self.options.api_wait_s <= 0:
             return specs
@@ -229,7 +247,6 @@ class PluginService:
                 return specs
         if not self.pods.synced() and self._api_degraded:
             return specs
-        deadline = time.monotonic() + self.options.api_wait_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -246,7 +263,10 @@ class PluginService:
                         size,
                     )
                 return specs
-            self.pods.wait_change(min(left, 0.25))
+            # Wait for a change since the version the specs were read at: a pod
+            # arriving between the two reads is never missed.
+            self.pods.wait_change(seen, min(left, 0.5))
+            seen = self.pods.version()
             specs = self.pods.candidates()
             if self.pods.synced():
                 self._api_degraded = False
@@ -255,14 +275,24 @@ class PluginService:
                         return specs
 
     def preferred(
-        self, resource: Resource, available: Sequence[str], must_include: Sequence[str], size: int
+        self, resource: Resource, requests: Sequence[PreferredRequest]
+    ) -> list[list[str]]:
+        """Answer one GetPreferredAllocation (the kubelet sends one container request)."""
+        with self._lock:
+            for req in requests:  # refuse malformed input before waiting for pods
+                self.ledger.check_preferred(resource, req.must_include, req.size)
+        deadline = time.monotonic() + self.options.api_wait_s
+        return [self._preferred_one(resource, req, deadline) for req in requests]
+
+    def _preferred_one(
+        self, resource: Resource, req: PreferredRequest, deadline: float
     ) -> list[str]:
-        candidates = self._candidates(resource, size)
+        candidates = self._candidates(resource, req.size, deadline)
         for attempt in (1, 2):
             try:
                 with self._lock:
                     ids, released = self.ledger.preferred(
-                        resource, available, must_include, size, candidates
+                        resource, req.available, req.must_include, req.size, candidates
                     )
                     for key in released:
                         self._forget(key, "the kubelet offers its IDs as free")
@@ -348,12 +378,14 @@ class PluginService:
     # ------------------------------------------------------- reconciling
 
     def _forget(self, key: str, why: str) -> None:
-        self.store.remove(key)
+        # A rename now (one syscall, under the lock: the same IDs, hence the
+        # same key, may be placed again at once); the rmtree in the background.
+        self.store.discard(key)
         log.info("released %s: %s", key, why)
         self.events("release", {"key": key})
 
     def _schedule_owner_sync(self) -> None:
-        if self.podresources is None:
+        if self.podresources is None or self._closed:
             return
         timer = self._owner_timer
         if timer is not None and timer.is_alive():
@@ -405,7 +437,7 @@ class PluginService:
             keep = set(self.ledger.placements)
             for key in self.store.record_keys():
                 if key not in keep:
-                    self.store.remove(key)
+                    self.store.discard(key)
                     log.info("removed orphaned config directory %s", key)
         # Every live pod, not only those whose owner changed now: most owners
         # are known at Allocate already. _annotate skips what is up to date.

@@ -46,6 +46,7 @@ from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
 log = logging.getLogger("vgpu")
 
 KUBELET_MESSAGE_LIMIT_BYTES = 4 * 1024 * 1024
+MESSAGE_WARN_BYTES = 1024 * 1024
 STOP_TIMEOUT_S = 4.0
 
 
@@ -141,6 +142,14 @@ class Daemon:
                     f"the {resource.value} device list would be {size / 2**20:.1f} MiB, over "
                     f"the kubelet's 4 MiB message limit; raise memory_unit_mib "
                     f"(now {self.settings.memory_unit_mib})"
+                )
+            if size > MESSAGE_WARN_BYTES:
+                log.warning(
+                    "the %s device list is %.2f MiB (kubelet limit 4 MiB): consider a larger "
+                    "memory_unit_mib (now %d) to keep ListAndWatch cheap",
+                    resource.value,
+                    size / 2**20,
+                    self.settings.memory_unit_mib,
                 )
 
     def start(self) -> None:
@@ -276,6 +285,7 @@ class Daemon:
         self.stopping.set()
         self.stop.set()
         self._reconcile_now.set()
+        self.service.close()
         for server in self.servers.values():
             server.stop(0.2)
         if self.metrics is not None:

@@ -89,7 +89,11 @@ class SimNode:
         return cmd + self.daemon_args
 
     def start_daemon(self, wait: bool = True, timeout_s: float = 20.0) -> None:
+        """Start `vgpu serve`; with `wait`, return once it registered both resources
+        and the kubelet got a fresh device list from each (so devices a previous
+        run left Unhealthy are current again)."""
         before = self.registrations()
+        messages = {r: self.kubelet.stream_messages(r) for r in (self.core, self.memory)}
         env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
         env.pop("KUBERNETES_SERVICE_HOST", None)
         env.update(self.env)
@@ -100,6 +104,7 @@ class SimNode:
         if wait and not self.kubelet.wait_for(
             lambda: (
                 self.registrations() > before
+                and all(self.kubelet.stream_messages(r) > n for r, n in messages.items())
                 and self.kubelet.capacity(self.core) > 0
                 and self.kubelet.capacity(self.memory) > 0
             ),

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 API_VERSION = "v1beta1"
 MAX_WATCH_STREAMS = 4  # per resource; the kubelet needs one
 MAX_IDS_PER_REQUEST = 100_000  # more IDs than any node advertises
+MAX_CONTAINER_REQUESTS = 8  # per call; the kubelet sends exactly one
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,15 @@ class AllocationAnswer:
     annotations: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PreferredRequest:
+    """One container request of GetPreferredAllocation."""
+
+    available: Sequence[str]
+    must_include: Sequence[str]
+    size: int
+
+
 class PluginCore(Protocol):
     """What the servicer needs from the daemon (one instance serves both resources)."""
 
@@ -75,8 +85,8 @@ class PluginCore(Protocol):
     def wait_devices(self, version: int, timeout_s: float) -> int: ...
 
     def preferred(
-        self, resource: Resource, available: Sequence[str], must_include: Sequence[str], size: int
-    ) -> list[str]: ...
+        self, resource: Resource, requests: Sequence[PreferredRequest]
+    ) -> list[list[str]]: ...
 
     def allocate(self, resource: Resource, device_ids: Sequence[str]) -> AllocationAnswer: ...
 
@@ -215,16 +225,25 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         def run() -> pb.PreferredAllocationResponse:
             if not request.container_requests:
                 raise InvalidRequest("GetPreferredAllocation carried no container request")
-            out = pb.PreferredAllocationResponse()
+            if len(request.container_requests) > MAX_CONTAINER_REQUESTS:
+                raise InvalidRequest(
+                    f"GetPreferredAllocation carried {len(request.container_requests)} container"
+                    f" requests; at most {MAX_CONTAINER_REQUESTS} are accepted (the kubelet sends"
+                    " one)"
+                )
+            requests = []
             for creq in request.container_requests:
                 self._check_count(creq.available_deviceIDs, "available_deviceIDs")
                 self._check_count(creq.must_include_deviceIDs, "must_include_deviceIDs")
-                ids = self.core.preferred(
-                    self.resource,
-                    list(creq.available_deviceIDs),
-                    list(creq.must_include_deviceIDs),
-                    creq.allocation_size,
+                requests.append(
+                    PreferredRequest(
+                        list(creq.available_deviceIDs),
+                        list(creq.must_include_deviceIDs),
+                        creq.allocation_size,
+                    )
                 )
+            out = pb.PreferredAllocationResponse()
+            for ids in self.core.preferred(self.resource, requests):
                 out.container_responses.add(deviceIDs=ids)
             return out
 
@@ -236,6 +255,11 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         def run() -> pb.AllocateResponse:
             if not request.container_requests:
                 raise InvalidRequest("Allocate carried no container request")
+            if len(request.container_requests) > MAX_CONTAINER_REQUESTS:
+                raise InvalidRequest(
+                    f"Allocate carried {len(request.container_requests)} container requests; at "
+                    f"most {MAX_CONTAINER_REQUESTS} are accepted (the kubelet sends one)"
+                )
             out = pb.AllocateResponse()
             for creq in request.container_requests:
                 self._check_count(creq.devices_ids, "devices_ids")
