@@ -8,6 +8,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -144,3 +145,44 @@ def test_status_without_state_is_a_clear_error(tmp_path: object) -> None:
     )
     assert result.returncode == 1
     assert "nothing to show" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_real_card_usage_reaches_status_and_metrics(tmp_path: Path) -> None:
+    gpus = tmp_path / "gpus.json"
+    gpus.write_text(
+        json.dumps(
+            {
+                "gpus": [
+                    {
+                        "uuid": "GPU-real0000-0000-4000-8000-000000000000",
+                        "name": "NVIDIA H200",
+                        "memory_mib": 143771,
+                        "memory_used_mib": 4096,
+                        "utilization_percent": 55,
+                    }
+                ]
+            }
+        )
+    )
+    port = _free_port()
+    node = SimNode(gpus=gpus, daemon_args=["--metrics-address", f"127.0.0.1:{port}"])
+    node.start()
+    try:
+
+        def card() -> dict[str, object]:
+            return dict(json.loads(_status(node, "-o", "json").stdout)["cards"][0])
+
+        assert node.wait(lambda: card()["memory_used_mib"] == 4096, 10)
+        assert card()["utilization_percent"] == 55
+        assert "4.0 GiB in use, 55% busy" in _status(node).stdout
+        labels = {
+            "uuid": "GPU-real0000-0000-4000-8000-000000000000",
+            "index": "0",
+            "model": "NVIDIA H200",
+        }
+        metrics = _scrape(f"http://127.0.0.1:{port}")
+        assert metrics[_key("vgpu_card_memory_used_mib", **labels)] == 4096
+        assert metrics[_key("vgpu_card_utilization_percent", **labels)] == 55
+    finally:
+        node.close()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import H200_MIB, MockGpusFile, card, cards, wait_until
-from vgpu.adapters.gpus import PRESETS, MockBackend, parse_mock, preset_cards
+from vgpu.adapters.gpus import PRESETS, CardReading, MockBackend, parse_mock, preset_cards
 from vgpu.core.errors import ConfigError
 from vgpu.core.health import HealthEvent
 from vgpu.core.model import Card
@@ -30,7 +30,7 @@ def test_reads_json_and_yaml(mock_gpus_file: MockGpusFile, fmt: str) -> None:
         uuid=got[0].uuid, index=0, name="NVIDIA H200", memory_mib=H200_MIB, minor=0, numa_node=1
     )
     assert (got[1].index, got[1].minor, got[1].xid, got[1].healthy) == (1, 7, 79, True)
-    assert backend.memory_used_mib() == {}
+    assert backend.readings() == {}
 
 
 def test_optional_fields_default_sensibly() -> None:
@@ -214,3 +214,13 @@ def test_preset_watch_returns_when_stopped() -> None:
     watch.thread.join(2.0)
     assert not watch.thread.is_alive()
     assert watch.updates == []
+
+
+def test_mock_file_can_report_real_usage(mock_gpus_file: Any) -> None:
+    gpus = [card(0, memory_used_mib=4096, utilization_percent=55), card(1)]
+    backend = MockBackend(mock_gpus_file(gpus))
+    got = backend.cards()
+    assert backend.readings() == {got[0].uuid: CardReading(4096, 55)}
+    bad = {"gpus": [{"uuid": "GPU-a", "name": "x", "memory_mib": 1, "utilization_percent": 101}]}
+    with pytest.raises(ConfigError, match=r"gpus\[0\]\.utilization_percent"):
+        parse_mock(bad, "f")

@@ -21,7 +21,7 @@ import pynvml
 import pytest
 
 from tests.conftest import wait_until
-from vgpu.adapters.gpus import BackendError
+from vgpu.adapters.gpus import BackendError, CardReading
 from vgpu.adapters.nvml import MIB, Nvml, NvmlBackend
 from vgpu.core.health import HealthEvent
 from vgpu.core.model import Card
@@ -60,6 +60,7 @@ class FakeDevice:
     numa: int | None  # None: nvmlDeviceGetNumaNodeId is "Not Supported"
     used_bytes: int = 0
     lost: bool = False
+    utilization: int = 0
 
 
 _BASE_ADDRESS = 0x7F00_0000
@@ -134,6 +135,9 @@ class FakePynvml:
         dev = self._dev(handle)
         return SimpleNamespace(total=dev.total_bytes, used=dev.used_bytes, free=0)
 
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> SimpleNamespace:
+        return SimpleNamespace(gpu=self._dev(handle).utilization, memory=0)
+
     def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
         return self._dev(handle).minor
 
@@ -207,13 +211,19 @@ def test_negative_or_missing_numa_means_no_topology() -> None:
     assert NvmlBackend(nvml=Nvml(module=old)).cards()[0].numa_node is None
 
 
-def test_initialises_once_and_reports_memory_used() -> None:
+def test_initialises_once_and_reports_real_usage() -> None:
     fake = FakePynvml(two_cards())
     fake.devices[0].used_bytes = 2048 * MIB
+    fake.devices[0].utilization = 37
     backend = NvmlBackend(nvml=Nvml(module=fake))
     backend.cards()
     backend.cards()
-    assert backend.memory_used_mib() == {UUID0: 2048, UUID1: 0}
+    assert backend.readings() == {
+        UUID0: CardReading(memory_used_mib=2048, utilization_percent=37),
+        UUID1: CardReading(memory_used_mib=0, utilization_percent=0),
+    }
+    fake.devices[1].lost = True  # a card that stops answering has no reading
+    assert UUID1 not in backend.readings()
     assert fake.init_calls == 1
 
 

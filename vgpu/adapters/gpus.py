@@ -12,6 +12,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,6 +28,14 @@ log = logging.getLogger(__name__)
 # A full, fresh card list (mock) or one health event (NVML).
 CardsCallback = Callable[[list[Card]], None]
 EventCallback = Callable[[HealthEvent], None]
+
+
+@dataclass(frozen=True)
+class CardReading:
+    """What a card really does right now, where the backend can tell."""
+
+    memory_used_mib: int | None = None
+    utilization_percent: int | None = None
 
 
 class GpuBackend(Protocol):
@@ -45,8 +54,8 @@ class GpuBackend(Protocol):
         """Block until `stop` is set, reporting changes through the callbacks."""
         ...
 
-    def memory_used_mib(self) -> dict[CardUuid, int]:
-        """Real memory in use per card, where the backend can tell (else empty)."""
+    def readings(self) -> dict[CardUuid, CardReading]:
+        """Real memory use and utilisation per card (empty where unknown)."""
         ...
 
 
@@ -87,12 +96,27 @@ def preset_cards(spec: str) -> list[Card]:
     ]
 
 
+READING_KEYS = ("memory_used_mib", "utilization_percent")
+
+
+def mock_readings(data: Any) -> dict[CardUuid, CardReading]:
+    """The readings of a mock file already checked by parse_mock."""
+    out = {}
+    for item in data["gpus"]:
+        if any(item.get(k) is not None for k in READING_KEYS):
+            out[CardUuid(str(item["uuid"]))] = CardReading(
+                item.get("memory_used_mib"), item.get("utilization_percent")
+            )
+    return out
+
+
 def parse_mock(data: Any, source: str) -> list[Card]:
     """Cards from the mock file's data; a reported XID rides on Card.xid."""
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
         raise ConfigError(f'{source}: gpus: expected {{"gpus": [{{"uuid": ..., ...}}, ...]}}')
     cards: list[Card] = []
     allowed = {"uuid", "name", "memory_mib", "minor", "numa_node", "healthy", "xid", "index"}
+    allowed |= set(READING_KEYS)
     for i, item in enumerate(data["gpus"]):
         where = f"{source}: gpus[{i}]"
         if not isinstance(item, dict):
@@ -114,12 +138,15 @@ def parse_mock(data: Any, source: str) -> list[Card]:
         memory = item["memory_mib"]
         if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
             raise ConfigError(f"{where}.memory_mib: must be a positive whole number of MiB")
-        for key in ("minor", "numa_node", "xid", "index"):
+        for key in ("minor", "numa_node", "xid", "index", *READING_KEYS):
             value = item.get(key)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
             ):
                 raise ConfigError(f"{where}.{key}: must be a whole number >= 0 or null")
+        utilization = item.get("utilization_percent")
+        if utilization is not None and utilization > 100:
+            raise ConfigError(f"{where}.utilization_percent: must be 0-100 or null")
         healthy = item.get("healthy", True)
         if not isinstance(healthy, bool):
             raise ConfigError(f"{where}.healthy: must be true or false")
@@ -157,6 +184,7 @@ class MockBackend:
         # against what was delivered, so a change made between cards() and
         # the start of watch() is not lost.
         self._read_stamp: tuple[int, int, int] | None = None
+        self._readings: dict[CardUuid, CardReading] = {}
 
     def _read(self) -> list[Card]:
         if self._preset:
@@ -174,6 +202,7 @@ class MockBackend:
         except (ValueError, yaml.YAMLError) as exc:
             raise ConfigError(f"mock GPU file {path} is not valid JSON/YAML: {exc}") from None
         cards = parse_mock(data, f"mock GPU file {path}")
+        self._readings = mock_readings(data)
         self._read_stamp = stamp
         return cards
 
@@ -181,8 +210,9 @@ class MockBackend:
         """The file's cards; Card.xid carries an injected XID for the daemon to filter."""
         return self._read()
 
-    def memory_used_mib(self) -> dict[CardUuid, int]:
-        return {}
+    def readings(self) -> dict[CardUuid, CardReading]:
+        """Optional `memory_used_mib` / `utilization_percent` keys of the file."""
+        return dict(self._readings)
 
     def watch(
         self, stop: threading.Event, on_cards: CardsCallback, on_event: EventCallback

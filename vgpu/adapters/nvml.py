@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Iterable
 from types import ModuleType
 from typing import Any
 
-from vgpu.adapters.gpus import BackendError, CardsCallback, EventCallback
+from vgpu.adapters.gpus import BackendError, CardReading, CardsCallback, EventCallback
 from vgpu.core.health import DEFAULT_IGNORED_XIDS, HealthEvent, describe_xid
 from vgpu.core.model import Card, CardUuid
 from vgpu.core.slicing import check_card_uuid
@@ -145,13 +145,22 @@ class NvmlBackend:
             return None
         return node if node >= 0 else None
 
-    def memory_used_mib(self) -> dict[CardUuid, int]:
+    def readings(self) -> dict[CardUuid, CardReading]:
         out = {}
         for uuid, handle in self._handles.items():
             try:
-                out[uuid] = int(self.nvml.call("nvmlDeviceGetMemoryInfo", handle).used) // MIB
+                used: int | None = (
+                    int(self.nvml.call("nvmlDeviceGetMemoryInfo", handle).used) // MIB
+                )
             except BackendError:
-                continue
+                used = None
+            try:
+                rates = self.nvml.call("nvmlDeviceGetUtilizationRates", handle)
+                util: int | None = int(rates.gpu)
+            except (BackendError, AttributeError):
+                util = None
+            if used is not None or util is not None:
+                out[uuid] = CardReading(used, util)
         return out
 
     def watch(

@@ -110,6 +110,8 @@ def collect(state_dir: Path, now_s: float | None = None) -> dict[str, Any]:
             "core_allocated": 0,
             "memory_allocated_mib": 0,
             "containers": 0,
+            "memory_used_mib": c.get("memory_used_mib"),
+            "utilization_percent": c.get("utilization_percent"),
         }
     containers = []
     # Count each device ID once: an app container that reuses its init
@@ -132,6 +134,8 @@ def collect(state_dir: Path, now_s: float | None = None) -> dict[str, Any]:
                     "core_allocated": 0,
                     "memory_allocated_mib": 0,
                     "containers": 0,
+                    "memory_used_mib": None,
+                    "utilization_percent": None,
                 }
             card["containers"] += 1
             mine = held.setdefault(uuid, {"vcuda-core": set(), "vcuda-memory": set()})
@@ -221,6 +225,13 @@ def render(doc: dict[str, Any], wide: bool = False, color: bool = False) -> str:
             f"  memory  [{_bar(card['memory_allocated_mib'] / mem_total)}] "
             f"{mem_gib:.1f} / {card['memory_mib'] / 1024:.1f} GiB allocated"
         )
+        real = []
+        if card.get("memory_used_mib") is not None:
+            real.append(f"{card['memory_used_mib'] / 1024:.1f} GiB in use")
+        if card.get("utilization_percent") is not None:
+            real.append(f"{card['utilization_percent']}% busy")
+        if real:
+            lines.append(f"  real    {', '.join(real)}")
         rows = by_card.get(card["uuid"], [])
         if not rows:
             lines.append("  (no containers)")

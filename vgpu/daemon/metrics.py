@@ -44,6 +44,11 @@ class LedgerCollector(Collector):
         used = GaugeMetricFamily(
             "vgpu_card_memory_used_mib", "Real memory in use on the card (NVML), MiB", labels=labels
         )
+        util = GaugeMetricFamily(
+            "vgpu_card_utilization_percent",
+            "Real compute utilisation of the card (NVML)",
+            labels=labels,
+        )
         ccore = GaugeMetricFamily(
             "vgpu_container_core_limit_percent",
             "Core percent limit of a container's slice (100 for whole cards)",
@@ -57,7 +62,7 @@ class LedgerCollector(Collector):
         with service._lock:
             usages = service.ledger.usages()
             placements = list(service.ledger.placements.values())
-        real = self.daemon.backend.memory_used_mib()
+            real = dict(service.readings)
         for usage in usages:
             card = usage.card
             lv = [card.uuid, str(card.index), card.name]
@@ -65,15 +70,18 @@ class LedgerCollector(Collector):
             mem.add_metric(lv, usage.memory_used_units * unit)
             total.add_metric(lv, card.memory_mib)
             health.add_metric(lv, 1 if card.healthy else 0)
-            if card.uuid in real:
-                used.add_metric(lv, real[card.uuid])
+            reading = real.get(card.uuid)
+            if reading is not None and reading.memory_used_mib is not None:
+                used.add_metric(lv, reading.memory_used_mib)
+            if reading is not None and reading.utilization_percent is not None:
+                util.add_metric(lv, reading.utilization_percent)
         for p in placements:
             owner = p.owner
             names = [owner.namespace, owner.pod, owner.container] if owner else ["", p.key, ""]
             for uuid in p.cards:
                 ccore.add_metric([*names, uuid], p.core_percent)
                 cmem.add_metric([*names, uuid], p.memory_mib)
-        yield from (core, mem, total, health, used, ccore, cmem)
+        yield from (core, mem, total, health, used, util, ccore, cmem)
 
 
 class Metrics:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu.adapters.fs import ContainerStore, atomic_write
+from vgpu.adapters.gpus import CardReading
 from vgpu.adapters.kube import PodSource
 from vgpu.adapters.kubelet.servicer import (
     AllocationAnswer,
@@ -93,6 +94,7 @@ class PluginService:
         self._podres_warned = False
         self._api_degraded = False
         self._closed = False
+        self.readings: dict[CardUuid, CardReading] = {}
         self._annotated: dict[tuple[str, str, str], float] = {}  # (ns, pod, value) -> queued
         self.refusals: dict[str, int] = {}
 
@@ -185,6 +187,14 @@ class PluginService:
         with self._dev_cond:
             return self._dev_version, self._views[resource]
 
+    def set_readings(self, readings: dict[CardUuid, CardReading]) -> None:
+        """Real usage per card from the backend; rewrites node.json on change only."""
+        with self._lock:
+            if readings == self.readings:
+                return
+            self.readings = dict(readings)
+            self._write_node_file()
+
     def close(self) -> None:
         """Shutdown: no more owner syncs; every ListAndWatch stream re-checks at once."""
         self._closed = True
@@ -212,6 +222,8 @@ class PluginService:
                 "numa_node": c.numa_node,
                 "healthy": c.healthy,
                 "xid": c.xid,
+                "memory_used_mib": self.readings.get(c.uuid, CardReading()).memory_used_mib,
+                "utilization_percent": self.readings.get(c.uuid, CardReading()).utilization_percent,
             }
             for c in sorted(self.ledger.cards.values(), key=lambda c: c.index)
         ]

@@ -47,6 +47,7 @@ log = logging.getLogger("vgpu")
 
 KUBELET_MESSAGE_LIMIT_BYTES = 4 * 1024 * 1024
 MESSAGE_WARN_BYTES = 1024 * 1024
+USAGE_INTERVAL_S = 5.0
 STOP_TIMEOUT_S = 4.0
 
 
@@ -196,6 +197,7 @@ class Daemon:
         self._spawn("backend-watch", self._watch_backend)
         self._spawn("plugin-dir-watch", self.watcher.run, self.stop, self._current_registration)
         self._spawn("reconcile", self._reconcile_loop)
+        self._spawn("usage", self._usage_loop)
 
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -266,6 +268,16 @@ class Daemon:
         self._registered_with = None
         self._serve()
         self._try_register()
+
+    def _usage_loop(self) -> None:
+        """Real memory use and utilisation per card, every USAGE_INTERVAL_S."""
+        while True:
+            try:
+                self.service.set_readings(self.backend.readings())
+            except Exception as exc:  # a backend hiccup must not end the loop
+                log.warning("reading card usage failed: %s", exc)
+            if self.stop.wait(USAGE_INTERVAL_S):
+                return
 
     def _reconcile_loop(self) -> None:
         interval = self.settings.reconcile_interval_s
