@@ -112,6 +112,8 @@ class NodeFactory(Protocol):
         api: bool = False,
         daemon_args: Sequence[str] = (),
         domain: str = "vendor.io",
+        env: Mapping[str, str] | None = None,
+        seed: int | None = 0,
     ) -> SimNode: ...
 
 
@@ -127,10 +129,14 @@ def make_node(short_tmp: Path) -> Iterator[NodeFactory]:
         api: bool = False,
         daemon_args: Sequence[str] = (),
         domain: str = "vendor.io",
+        env: Mapping[str, str] | None = None,
+        seed: int | None = 0,
     ) -> SimNode:
         root = short_tmp / f"n{len(nodes)}"
         root.mkdir()
-        node = SimNode(root, gpus=gpus, api=api, daemon_args=daemon_args, domain=domain)
+        node = SimNode(
+            root, gpus=gpus, api=api, daemon_args=daemon_args, domain=domain, env=env, seed=seed
+        )
         nodes.append(node)
         if start:
             node.start(timeout_s=15.0)
@@ -146,7 +152,7 @@ def make_node(short_tmp: Path) -> Iterator[NodeFactory]:
         if alive and rc != 0:
             problems.append(f"daemon exited {rc} on SIGTERM; log:\n{node.log()[-3000:]}")
         if "Traceback" in node.log():
-            problems.append(f"traceback in the daemon log:\n{node.log()[-3000:]}")
+            problems.append(f"traceback in the daemon log:\n{node.log()[-4000:]}")
     assert not problems, "\n".join(problems)
 
 

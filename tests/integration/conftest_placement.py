@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 import pytest
 
+from tests.conftest import NodeFactory
 from vgpu.cli.status import collect
 from vgpu.core.model import Resource
 from vgpu.core.slicing import parse_device_id
@@ -80,19 +78,14 @@ class NodeMaker(Protocol):
 
 
 @pytest.fixture
-def pl_tmp() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="vp", dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def pl_tmp(short_tmp: Path) -> Path:
+    return short_tmp
 
 
 @pytest.fixture
-def sim_node(pl_tmp: Path) -> Iterator[NodeMaker]:
-    """SimNodes with an API server; at teardown each daemon must exit 0 on SIGTERM
-    and its log must hold no traceback."""
-    nodes: list[SimNode] = []
+def sim_node(make_node: NodeFactory) -> NodeMaker:
+    """SimNodes with an API server and a 1 s reconcile (the shared make_node
+    checks at teardown that each daemon exits 0 on SIGTERM with a clean log)."""
 
     def make(
         gpus: str | Path = "preset:2xH200",
@@ -102,26 +95,9 @@ def sim_node(pl_tmp: Path) -> Iterator[NodeMaker]:
         env: Mapping[str, str] | None = None,
         start: bool = True,
     ) -> SimNode:
-        root = pl_tmp / f"n{len(nodes)}"
-        root.mkdir()
-        node = SimNode(root, gpus=gpus, api=api, daemon_args=daemon_args, env=env, seed=7)
-        nodes.append(node)
-        if start:
-            node.start(timeout_s=15.0)
-        return node
+        return make_node(gpus, api=api, daemon_args=daemon_args, env=env, start=start, seed=7)
 
-    yield make
-    problems = []
-    for node in nodes:
-        proc = node.proc
-        alive = proc is not None and proc.poll() is None
-        rc = node.stop_daemon(signal.SIGTERM, timeout_s=5.0) if alive else None
-        node.close()
-        if alive and rc != 0:
-            problems.append(f"daemon exited {rc} on SIGTERM; log:\n{node.log()[-3000:]}")
-        if "Traceback" in node.log():
-            problems.append(f"traceback in the daemon log:\n{node.log()[-4000:]}")
-    assert not problems, "\n".join(problems)
+    return make
 
 
 def restart_daemon(node: SimNode) -> None:
