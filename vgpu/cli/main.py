@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -99,7 +101,16 @@ def _serve(args: argparse.Namespace) -> int:
     }
     settings = config.load(flags, config_file=args.config)
     logs.configure(settings.log_format, settings.log_level)
-    return wiring.run(settings)
+    code = wiring.run(settings)
+    # The orderly shutdown is done (sockets removed, servers stopped, state on
+    # disk). Skip interpreter finalisation: background threads may still sit
+    # inside gRPC or urllib3 C code, and tearing modules down under them can
+    # abort the process (seen as SIGABRT after "stopped") and turn a clean
+    # stop into a crash report.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -201,6 +201,8 @@ class PluginService:
         timer = self._owner_timer
         if timer is not None:
             timer.cancel()
+            if timer.is_alive() and timer is not threading.current_thread():
+                timer.join(2.0)  # a reconcile under way: let it finish its RPC
         with self._dev_cond:
             self._dev_cond.notify_all()
 
