@@ -47,7 +47,8 @@ class SimNode:
         self.state_dir = self.root / "state"
         self.kubeconfig = self.root / "kubeconfig"
         self.log_path = self.root / "daemon.log"
-        self.api = FakeApiServer() if api else None
+        # Bookmarks about once a minute, as a real API server sends them.
+        self.api = FakeApiServer(bookmark_interval_s=60.0) if api else None
         self.kubelet = KubeletSimulator(self.plugin_dir, self.podres_socket, seed=seed)
         self.daemon_args = list(daemon_args)
         self.env = dict(env or {})

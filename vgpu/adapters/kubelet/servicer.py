@@ -207,7 +207,9 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 if version != sent:
                     yield message
                     sent = version
-                self.core.wait_devices(sent, 1.0)
+                # Woken on every change and at shutdown; the timeout only
+                # bounds how long a cancelled stream lingers.
+                self.core.wait_devices(sent, 5.0)
         finally:
             with self._lock:
                 self._streams -= 1
