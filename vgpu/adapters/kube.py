@@ -347,12 +347,15 @@ class KubePodCache:
                 continue
             for attempt in range(5):
                 try:
-                    self._client().patch_namespaced_pod(
+                    reply = self._client().patch_namespaced_pod(
                         pod,
                         namespace,
                         {"metadata": {"annotations": annotations}},
                         _request_timeout=5,
+                        _preload_content=False,  # the answer is unused: no model objects
                     )
+                    reply.read()  # drain, so the connection goes back to the pool
+                    reply.release_conn()
                     break
                 except Exception as exc:
                     status = getattr(exc, "status", None)

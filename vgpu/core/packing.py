@@ -446,7 +446,8 @@ class Ledger:
         """
         self.check_preferred(resource, must_include, size)
         must = [DeviceId(d) for d in must_include]
-        avail = [d for d in self._known(resource, available) if d not in set(must)]
+        must_set = set(must)
+        avail = [d for d in self._known(resource, available) if d not in must_set]
         released = self._release_offered(resource, avail)
         if len(must) >= size:
             return must[:size], released
