@@ -35,7 +35,7 @@ def run_demo(gpus: str = "preset:2xH200", keep: bool = False) -> int:
             ("ci-job-a", {core: 10, mem: 16}, "identical pods A..."),
             ("ci-job-b", {core: 10, mem: 16}, "...and B: each keeps its own config"),
             ("embeddings", {mem: 32}, "memory only, best-effort compute"),
-            ("no-memory", {core: 30}, "fractional core without memory: refused with the fix"),
+            ("no-memory", {core: 10}, "fractional core without memory: refused with the fix"),
             ("too-big", {core: 10, mem: 300}, "75 GiB: the node has room in total, no card alone"),
         ]
         pods = {}

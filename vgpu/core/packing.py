@@ -171,13 +171,16 @@ class Ledger:
     def describe_free(self) -> str:
         parts = []
         for u in self.usages():
-            state = "healthy" if u.card.healthy else "UNHEALTHY"
-            if u.exclusive:
-                state += ", held whole"
-            parts.append(
-                f"card {u.card.index} ({u.card.uuid}, {state}): {u.core_free()} core free, "
-                f"{u.memory_free_units(self.memory_unit_mib)} memory units free"
-            )
+            where = f"card {u.card.index} ({u.card.uuid}"
+            if not u.card.healthy:
+                parts.append(f"{where}, UNHEALTHY): takes nothing new")
+            elif u.exclusive:
+                parts.append(f"{where}, held whole by one container): nothing free")
+            else:
+                parts.append(
+                    f"{where}): {u.core_free()} core free, "
+                    f"{u.memory_free_units(self.memory_unit_mib)} memory units free"
+                )
         return "; ".join(parts) if parts else "no cards on this node"
 
     # --------------------------------------------------------- bookkeeping
