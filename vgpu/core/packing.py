@@ -660,13 +660,13 @@ class Ledger:
                         "whole cards are exclusive"
                     )
 
-        request = pending.request if pending is not None else Request()
         if pending is None and resource is Resource.CORE and 0 < count < CORE_UNITS_PER_CARD:
             spec = self._match(resource, count, candidates)
             if spec is not None:
                 self.validate_request(spec.request)
 
         if pending is not None and pending.key is not None:
+            # The container's other resource is already placed: add this one.
             base = self.placements[pending.key]
             new_ids = dict(base.ids)
             new_ids[resource] = ids
@@ -676,9 +676,11 @@ class Ledger:
             if settled:
                 self._settled.add(base.key)
             self._pending = pending
+            other_core, other_mem = placement.core_percent, None
         else:
-            core = request.core_percent
-            mem_units = request.memory_units
+            # The container's first resource: the other's limit comes from its
+            # pod spec when known, so both Allocate answers say the same.
+            request = pending.request if pending is not None else Request()
             placement = Placement(
                 key=placement_key(ids),
                 cards=cards,
@@ -688,12 +690,11 @@ class Ledger:
                 owner=pending.spec.owner() if pending is not None and pending.spec else None,
                 created_s=now_s,
             )
-            placement = self._with_limits(placement, core, mem_units)
-        placement = self._with_limits(
-            placement,
-            count if resource is Resource.CORE else placement.core_percent,
-            count if resource is Resource.MEMORY else None,
-        )
+            other_core, other_mem = request.core_percent, request.memory_units
+        if resource is Resource.CORE:
+            placement = self._with_limits(placement, count, other_mem)
+        else:
+            placement = self._with_limits(placement, other_core, count)
         self.restore(placement)
         if pending is not None:
             pending.key = placement.key
@@ -736,11 +737,6 @@ class Ledger:
                 f"of each card, got IDs spread over {len(cards)} cards; enable "
                 "GetPreferredAllocation so the plugin can choose"
             )
-
-    def pending_summary(self) -> str | None:
-        if self._pending is None:
-            return None
-        return f"cards={','.join(self._pending.cards)} request={self._pending.request}"
 
 
 def _owner_text(placement: Placement) -> str:

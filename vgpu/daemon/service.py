@@ -96,14 +96,13 @@ class PluginService:
         self._closed = False
         self.readings: dict[CardUuid, CardReading] = {}
         self._annotated: dict[tuple[str, str, str], float] = {}  # (ns, pod, value) -> queued
-        self.refusals: dict[str, int] = {}
 
     # ------------------------------------------------------------ cards
 
     def resource_name(self, resource: Resource) -> str:
         return resource.full_name(self.options.domain)
 
-    def _judge(self, card: Card, previous: Card | None) -> Card:
+    def _judge(self, card: Card) -> Card:
         """Apply the XID filter to a card as the backend reported it."""
         if card.xid is not None and card.healthy:
             return self.tracker.apply(replace(card, xid=None), HealthEvent(card.uuid, xid=card.xid))
@@ -112,7 +111,7 @@ class PluginService:
     def set_cards(self, cards: Sequence[Card]) -> None:
         with self._lock:
             before = dict(self.ledger.cards)
-            judged = [self._judge(c, before.get(c.uuid)) for c in cards]
+            judged = [self._judge(c) for c in cards]
             self.ledger.set_cards(judged)
             for card in judged:
                 self._log_health(before.get(card.uuid), card)
@@ -313,15 +312,11 @@ class PluginService:
                 return list(ids)
             except InsufficientCapacity:
                 if attempt == 2:
-                    self._refused("insufficient_capacity")
-                    raise
+                    raise  # counted by the gRPC edge (vgpu_calls_total outcome)
                 # Re-check with the kubelet first: a pod deleted a moment ago
                 # must not cause a wrongful refusal.
                 self.reconcile("re-check before refusing")
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def _refused(self, reason: str) -> None:
-        self.refusals[reason] = self.refusals.get(reason, 0) + 1
 
     def allocate(self, resource: Resource, device_ids: Sequence[str]) -> AllocationAnswer:
         candidates = self.pods.candidates()
