@@ -11,8 +11,7 @@ import os
 import shutil
 import signal
 import tempfile
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,16 +44,6 @@ def card(
 
 def cards(n: int = 2, **extra: Any) -> list[dict[str, Any]]:
     return [card(i, **extra) for i in range(n)]
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.02) -> bool:
-    """Poll `predicate` until it holds or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return bool(predicate())
 
 
 class MockGpusFile(Protocol):

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -213,10 +213,17 @@ class SimNode:
                 self.api.set_pod_phase(pod.namespace, pod.name, phase)
         self.kubelet.remove_pod(pod.uid)
 
-    def wait(self, predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if predicate():
-                return True
-            time.sleep(interval_s)
-        return bool(predicate())
+    def wait(
+        self, predicate: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.05
+    ) -> bool:
+        return wait_until(predicate, timeout_s, interval_s)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.02) -> bool:
+    """Poll `predicate` until it holds or the deadline passes (tests, demo, bench)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
