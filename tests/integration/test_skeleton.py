@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.conftest import H200_MIB, SOCKETS, MockGpusFile, NodeFactory, card, cards, wait_until
+from tests.conftest import H200_MIB, SOCKETS, MockGpusFile, NodeFactory, card, cards
 from vgpu.core.model import Resource
 from vgpu.core.slicing import MAX_DEVICE_ID_LEN, parse_device_id
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
-from vgpu.sim.harness import SimNode
+from vgpu.sim.harness import SimNode, wait_until
 from vgpu.sim.kubelet import KubeletSimulator
 
 HEALTHY = "Healthy"

@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import H200_MIB, MockGpusFile, card, cards, wait_until
+from tests.conftest import H200_MIB, MockGpusFile, card, cards
 from vgpu.adapters.gpus import PRESETS, CardReading, MockBackend, parse_mock, preset_cards
 from vgpu.core.errors import ConfigError
 from vgpu.core.health import HealthEvent
 from vgpu.core.model import Card
 from vgpu.core.slicing import MAX_UUID_LEN
+from vgpu.sim.harness import wait_until
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -20,11 +20,11 @@ from typing import Any, ClassVar
 import pynvml
 import pytest
 
-from tests.conftest import wait_until
 from vgpu.adapters.gpus import BackendError, CardReading
 from vgpu.adapters.nvml import MIB, Nvml, NvmlBackend
 from vgpu.core.health import HealthEvent
 from vgpu.core.model import Card
+from vgpu.sim.harness import wait_until
 
 pytestmark = pytest.mark.timeout(10)
 
