@@ -305,3 +305,47 @@ def test_property_release_restores_state(ops: list) -> None:  # type: ignore[typ
 @given(ops=ops_st, policy=st.sampled_from(list(Policy)))
 def test_property_deterministic(ops: list, policy: Policy) -> None:  # type: ignore[type-arg]
     assert _run(ops, policy)[2] == _run(ops, policy)[2]
+
+
+def test_pod_reaching_the_cache_between_the_two_calls_keeps_one_card() -> None:
+    led = ledger(2, Policy.SPREAD)
+    k = Kubelet(led)
+    k.admit(spec(50, 100))  # card 0 is the fuller one now
+    late = spec(10, 20)
+    # First resource without pod information (fallback), second one with it.
+    ids, _ = led.preferred(CORE, k.available(CORE), [], 10, [])
+    first = led.allocate(CORE, ids, [])
+    k.held |= set(ids)
+    mem, _ = led.preferred(MEM, k.available(MEM), [], 20, [late])
+    placement = led.allocate(MEM, mem, [late])
+    assert placement.key == first.key and len(placement.cards) == 1
+    assert placement.owner == late.owner()
+    assert placement.memory_mib == 20 * UNIT
+
+
+def test_stale_in_flight_container_does_not_capture_the_next_one() -> None:
+    led = ledger(2)
+    k = Kubelet(led)
+    # A container placed without pod information whose other resource never came.
+    ids, _ = led.preferred(CORE, k.available(CORE), [], 20, [])
+    stale = led.allocate(CORE, ids, [])
+    k.held |= set(ids)
+    nxt = spec(10, 20)  # asks a different core size: not the in-flight container
+    mem, _ = led.preferred(MEM, k.available(MEM), [], 20, [nxt])
+    placement = led.allocate(MEM, mem, [nxt])
+    assert placement.key != stale.key
+
+
+def test_the_kubelet_can_name_the_in_flight_container() -> None:
+    led = ledger(2)
+    k = Kubelet(led)
+    ids, _ = led.preferred(CORE, k.available(CORE), [], 10, [])
+    led.allocate(CORE, ids, [])
+    k.held |= set(ids)
+    assert led.unattributed_pending() == frozenset(ids)
+    owner = spec(10, 20)
+    led.attribute_pending(owner.namespace, owner.pod, owner.container, [owner])
+    assert led.unattributed_pending() == frozenset()
+    mem, _ = led.preferred(MEM, k.available(MEM), [], 20, [owner])
+    placement = led.allocate(MEM, mem, [owner])
+    assert len(placement.cards) == 1 and placement.owner == owner.owner()

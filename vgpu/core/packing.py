@@ -471,6 +471,8 @@ class Ledger:
                     f"{len(ids)} of {size} units are free there",
                 )
             pending.steered.add(resource)
+            if pending.spec is None and spec is not None:
+                self._attach(pending, spec)
             return ids, released
 
         # A new container.
@@ -504,6 +506,37 @@ class Ledger:
         if spec is not None:
             self._claimed.add(spec.ident)
         return ids, released
+
+    def _attach(self, pending: _Pending, spec: ContainerSpec) -> None:
+        """The in-flight container turns out to be `spec`: adopt its request and owner."""
+        pending.spec = spec
+        pending.request = spec.request
+        pending.expected = spec.request.resources
+        self._claimed.add(spec.ident)
+        if pending.key is not None and pending.key in self.placements:
+            placement = self.placements[pending.key]
+            if placement.owner is None:
+                self.placements[pending.key] = replace(placement, owner=spec.owner())
+
+    def unattributed_pending(self) -> frozenset[DeviceId]:
+        """IDs already allocated to an in-flight container we have no pod for."""
+        pending = self._pending
+        if pending is None or pending.spec is not None or pending.key is None:
+            return frozenset()
+        placement = self.placements.get(pending.key)
+        return placement.all_ids() if placement is not None else frozenset()
+
+    def attribute_pending(
+        self, namespace: str, pod: str, container: str, candidates: Sequence[ContainerSpec]
+    ) -> None:
+        """The kubelet says who holds the in-flight IDs: take that container's spec."""
+        pending = self._pending
+        if pending is None or pending.spec is not None:
+            return
+        for spec in candidates:
+            if (spec.namespace, spec.pod, spec.container) == (namespace, pod, container):
+                self._attach(pending, spec)
+                return
 
     def check_preferred(self, resource: Resource, must_include: Sequence[str], size: int) -> None:
         """Reject a malformed GetPreferredAllocation before anything else."""
@@ -541,9 +574,16 @@ class Ledger:
                 and resource in pending.expected
                 and pending.spec.request.units(resource) == size
             )
-        # No pod information for the in-flight container: pair with it unless
-        # the API server names an unplaced container that asks exactly this.
-        return spec is None
+        # No pod information for the in-flight container. Pair with it when
+        # the cache names no unplaced container asking exactly this, or names
+        # one whose request for the resource already placed matches it (the
+        # pod reached the cache between the two calls). Otherwise it is a new
+        # container and the in-flight one was stale.
+        if spec is None:
+            return True
+        return all(
+            spec.request.units(r) == pending.request.units(r) for r in pending.allocated
+        ) and bool(pending.allocated)
 
     def _validate_partial(self, request: Request) -> None:
         """Checks that hold without knowing the container's other resource."""

@@ -318,6 +318,27 @@ class PluginService:
                 self.reconcile("re-check before refusing")
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _attribute_in_flight(self, candidates: list[Any]) -> None:
+        """An in-flight container placed without pod information: ask the kubelet
+        (local pod-resources, only in this case) which container holds its IDs,
+        so its second resource is paired by fact rather than by guess."""
+        with self._lock:
+            held = self.ledger.unattributed_pending()
+        if not held or not candidates or self.podresources is None:
+            return
+        names = {self.resource_name(r) for r in Resource}
+        try:
+            listing = self.podresources.list(names)
+        except PodResourcesUnavailable:
+            return
+        for item in listing:
+            if held & set(item.device_ids):
+                with self._lock:
+                    self.ledger.attribute_pending(
+                        item.namespace, item.pod, item.container, candidates
+                    )
+                return
+
     def allocate(self, resource: Resource, device_ids: Sequence[str]) -> AllocationAnswer:
         candidates = self.pods.candidates()
         with self._lock:
