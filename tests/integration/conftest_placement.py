@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,7 +22,7 @@ from vgpu.core.model import Resource
 from vgpu.core.slicing import parse_device_id
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
 from vgpu.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from vgpu.sim.harness import SimNode
+from vgpu.sim.harness import SimNode, wait_until
 from vgpu.sim.kubelet import Admission
 
 UNIT_MIB = 256
@@ -35,15 +34,6 @@ EXPECTED_CODES = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.FAILED_PRECONDITION,
 }
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return bool(predicate())
 
 
 def mock_card(i: int, memory_mib: int = 143771, **extra: Any) -> dict[str, Any]:
