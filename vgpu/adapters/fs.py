@@ -23,7 +23,7 @@ import stat
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,11 +245,3 @@ class PluginDirWatcher:
                 self.on_restart("kubelet.sock appeared or was recreated")
             elif any(not p.exists() for p in self.our_sockets()):
                 self.on_restart("our socket was removed")
-
-
-def iter_socket_files(directory: Path) -> Iterator[Path]:
-    with contextlib.suppress(FileNotFoundError):
-        for entry in directory.iterdir():
-            with contextlib.suppress(OSError):
-                if stat.S_ISSOCK(entry.lstat().st_mode):
-                    yield entry

@@ -229,10 +229,6 @@ class KubePodCache:
                     return uid
         return ""
 
-    def live_uids(self) -> set[str]:
-        with self._cond:
-            return set(self._pods)
-
     # ------------------------------------------------------------ writes
 
     def annotate(self, namespace: str, pod: str, annotations: dict[str, str | None]) -> None:

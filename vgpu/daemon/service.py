@@ -458,6 +458,10 @@ class PluginService:
         released_count = 0
         annotate: dict[tuple[str, str], None] = {}
         with self._lock:
+            if self.pods.enabled and self.pods.synced():
+                # Claims only matter while a pod is pending; drop the rest so
+                # the set does not grow with every pod the node ever ran.
+                self.ledger.prune_claims({s.ident for s in self.pods.candidates()})
             gone = self._gone_pods()
             for placement in self.ledger.reconcile(live, self.clock(), gone):
                 released_count += 1
