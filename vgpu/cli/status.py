@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu.adapters.fs import ContainerStore, placement_record
+from vgpu.core.slicing import parse_device_id
 
 DEFAULT_STATE_DIR = Path("/var/lib/vgpu")
 HOOK_FILE = "vgpu.shm"
@@ -80,6 +81,25 @@ def hook_usage_mib(shared_dir: Path) -> int | None:
         os.close(fd)
 
 
+def _card_entry(c: dict[str, Any], health: str | None = None) -> dict[str, Any]:
+    """One card of the status document, from node.json's record of it."""
+    return {
+        "uuid": c["uuid"],
+        "index": c["index"],
+        "name": c["name"],
+        "health": health or ("Healthy" if c.get("healthy", True) else "Unhealthy"),
+        "xid": c.get("xid"),
+        "memory_mib": c["memory_mib"],
+        "numa_node": c.get("numa_node"),
+        "minor": c.get("minor"),
+        "core_allocated": 0,
+        "memory_allocated_mib": 0,
+        "containers": 0,
+        "memory_used_mib": c.get("memory_used_mib"),
+        "utilization_percent": c.get("utilization_percent"),
+    }
+
+
 def collect(state_dir: Path, now_s: float | None = None) -> dict[str, Any]:
     """The status document (the `-o json` contract)."""
     node_file = state_dir / "node.json"
@@ -96,23 +116,7 @@ def collect(state_dir: Path, now_s: float | None = None) -> dict[str, Any]:
     store = ContainerStore(state_dir, unit)
     placements, bad = store.load_all()
     now = time.time() if now_s is None else now_s
-    cards: dict[str, dict[str, Any]] = {}
-    for c in node.get("cards", []):
-        cards[c["uuid"]] = {
-            "uuid": c["uuid"],
-            "index": c["index"],
-            "name": c["name"],
-            "health": "Healthy" if c.get("healthy", True) else "Unhealthy",
-            "xid": c.get("xid"),
-            "memory_mib": c["memory_mib"],
-            "numa_node": c.get("numa_node"),
-            "minor": c.get("minor"),
-            "core_allocated": 0,
-            "memory_allocated_mib": 0,
-            "containers": 0,
-            "memory_used_mib": c.get("memory_used_mib"),
-            "utilization_percent": c.get("utilization_percent"),
-        }
+    cards = {c["uuid"]: _card_entry(c) for c in node.get("cards", [])}
     containers = []
     # Count each device ID once: an app container that reuses its init
     # container's IDs shares them with the init's placement.
@@ -121,26 +125,13 @@ def collect(state_dir: Path, now_s: float | None = None) -> dict[str, Any]:
         record = placement_record(p, unit)
         for uuid in p.cards:
             card = cards.get(uuid)
-            if card is None:
-                cards[uuid] = card = {
-                    "uuid": uuid,
-                    "index": -1,
-                    "name": "(gone)",
-                    "health": "Gone",
-                    "xid": None,
-                    "memory_mib": 0,
-                    "numa_node": None,
-                    "minor": None,
-                    "core_allocated": 0,
-                    "memory_allocated_mib": 0,
-                    "containers": 0,
-                    "memory_used_mib": None,
-                    "utilization_percent": None,
-                }
+            if card is None:  # the card disappeared while a container still holds it
+                gone = {"uuid": uuid, "index": -1, "name": "(gone)", "memory_mib": 0}
+                cards[uuid] = card = _card_entry(gone, health="Gone")
             card["containers"] += 1
             mine = held.setdefault(uuid, {"vcuda-core": set(), "vcuda-memory": set()})
             for resource, ids in record["device_ids"].items():
-                mine[resource] |= {d for d in ids if d.startswith(uuid + "-")}
+                mine[resource] |= {d for d in ids if parse_device_id(d)[0] == uuid}
         paths = store.paths(p.key)
         owner = p.owner
         containers.append(
