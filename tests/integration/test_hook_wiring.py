@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -60,28 +59,13 @@ def test_allocate_mounts_and_preloads_the_installed_hook(tmp_path: Path) -> None
 
 @pytest.mark.timeout(30)
 def test_missing_hook_library_is_a_clear_start_error(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vgpu",
-            "serve",
-            "--backend",
-            "mock",
-            "--mock-gpus",
-            "preset:1xH200",
-            "--device-plugin-dir",
-            str(tmp_path / "dp"),
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--hook-library",
-            str(tmp_path / "nope.so"),
-            "--hook-dir",
-            str(tmp_path / "hook"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=25,
+    node = SimNode(
+        tmp_path,
+        gpus="preset:1xH200",
+        api=False,
+        daemon_args=["--hook-library", str(tmp_path / "nope.so"), "--hook-dir", str(tmp_path)],
     )
+    # The daemon's real command line, run to completion: it must refuse to start.
+    result = subprocess.run(node.daemon_command(), capture_output=True, text=True, timeout=25)
     assert result.returncode == 2
     assert "hook library" in result.stderr and "Traceback" not in result.stderr
