@@ -20,12 +20,11 @@ from vgpu.adapters.gpus import CardReading
 from vgpu.adapters.kube import PodSource
 from vgpu.adapters.kubelet.servicer import (
     AllocationAnswer,
-    DeviceNode,
     DeviceView,
-    MountSpec,
     PreferredRequest,
 )
 from vgpu.adapters.podresources import PodResourcesClient, PodResourcesUnavailable
+from vgpu.core.contract import container_edits
 from vgpu.core.errors import InsufficientCapacity
 from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
 from vgpu.core.model import (
@@ -43,10 +42,6 @@ from vgpu.core.slicing import card_device_ids
 
 log = logging.getLogger("vgpu")
 
-CONFIG_MOUNT = "/etc/vgpu"
-SHARED_MOUNT = "/var/run/vgpu"
-HOOK_MOUNT_DIR = "/usr/local/vgpu"
-CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 OWNER_SYNC_DELAY_S = 0.3
 ANNOTATE_RETRY_S = 30.0  # re-queue a pod annotation the cache does not show after this
 
@@ -367,32 +362,14 @@ class PluginService:
 
     def answer(self, placement: Placement) -> AllocationAnswer:
         paths = self.store.paths(placement.key)
-        cards = [self.ledger.cards.get(c) for c in placement.cards]
-        envs = {
-            "NVIDIA_VISIBLE_DEVICES": ",".join(placement.cards),
-            "VGPU_CONFIG": f"{CONFIG_MOUNT}/config.json",
-            "VGPU_SHARED_DIR": SHARED_MOUNT,
-        }
-        if 0 < placement.core_percent < CORE_UNITS_PER_CARD:
-            envs["VGPU_CORE_LIMIT"] = str(placement.core_percent)
-        if placement.memory_mib:
-            envs["VGPU_MEMORY_LIMIT_MIB"] = str(placement.memory_mib)
-        mounts = [
-            MountSpec(CONFIG_MOUNT, str(paths.config_dir), True),
-            MountSpec(SHARED_MOUNT, str(paths.shared_dir), False),
-        ]
         hook = self.options.hook_path
-        if hook is not None and not placement.whole:
-            in_container = f"{HOOK_MOUNT_DIR}/{hook.name}"
-            mounts.append(MountSpec(in_container, str(hook), True))
-            envs["LD_PRELOAD"] = in_container
-        devices = [
-            DeviceNode(f"/dev/nvidia{card.minor}", f"/dev/nvidia{card.minor}")
-            for card in cards
-            if card is not None
-        ]
-        devices += [DeviceNode(path, path) for path in CONTROL_DEVICES]
-        return AllocationAnswer(envs=envs, mounts=tuple(mounts), devices=tuple(devices))
+        return container_edits(
+            placement,
+            [self.ledger.cards.get(c) for c in placement.cards],
+            config_dir=str(paths.config_dir),
+            shared_dir=str(paths.shared_dir),
+            hook_path=str(hook) if hook is not None else None,
+        )
 
     def prestart(self, resource: Resource, device_ids: Sequence[str]) -> None:
         """Re-create a container's config directory if it went missing."""

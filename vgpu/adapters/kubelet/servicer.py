@@ -12,12 +12,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 import grpc
 
+from vgpu.core.contract import ContainerEdits
 from vgpu.core.errors import (
     InsufficientCapacity,
     InvalidRequest,
@@ -44,28 +45,8 @@ class DeviceView:
     numa_node: int | None
 
 
-@dataclass(frozen=True)
-class MountSpec:
-    container_path: str
-    host_path: str
-    read_only: bool
-
-
-@dataclass(frozen=True)
-class DeviceNode:
-    container_path: str
-    host_path: str
-    permissions: str = "rw"
-
-
-@dataclass(frozen=True)
-class AllocationAnswer:
-    """One container's Allocate answer, as plain values."""
-
-    envs: dict[str, str]
-    mounts: tuple[MountSpec, ...] = ()
-    devices: tuple[DeviceNode, ...] = ()
-    annotations: dict[str, str] = field(default_factory=dict)
+# One container's Allocate answer, as plain values: the limit contract.
+AllocationAnswer = ContainerEdits
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,86 @@
+"""The limit contract: what a container holding a slice gets, whoever placed it.
+
+The device plugin's Allocate answer and the DRA driver's CDI spec both carry
+exactly these environment variables, mounts and device nodes, so the hook in
+`hooks/` sees one contract. Pure: host paths come in as strings from the
+filesystem adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vgpu.core.model import CORE_UNITS_PER_CARD, Card, Placement
+
+CONFIG_MOUNT = "/etc/vgpu"  # the container's config directory (read-only)
+CONFIG_FILE = f"{CONFIG_MOUNT}/config.json"
+SHARED_MOUNT = "/var/run/vgpu"  # the hook's budget lives here
+HOOK_MOUNT_DIR = "/usr/local/vgpu"  # the hook library, under its versioned name
+CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+
+@dataclass(frozen=True)
+class MountSpec:
+    container_path: str
+    host_path: str
+    read_only: bool
+
+
+@dataclass(frozen=True)
+class DeviceNode:
+    container_path: str
+    host_path: str
+    permissions: str = "rw"
+
+
+@dataclass(frozen=True)
+class ContainerEdits:
+    """Env, mounts and device nodes for one container's slice."""
+
+    envs: dict[str, str]
+    mounts: tuple[MountSpec, ...] = ()
+    devices: tuple[DeviceNode, ...] = ()
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+def limit_envs(placement: Placement) -> dict[str, str]:
+    """The limit variables: VGPU_CORE_LIMIT for a fractional slice,
+    VGPU_MEMORY_LIMIT_MIB (per card) when memory is limited."""
+    envs = {
+        "NVIDIA_VISIBLE_DEVICES": ",".join(placement.cards),
+        "VGPU_CONFIG": CONFIG_FILE,
+        "VGPU_SHARED_DIR": SHARED_MOUNT,
+    }
+    if 0 < placement.core_percent < CORE_UNITS_PER_CARD:
+        envs["VGPU_CORE_LIMIT"] = str(placement.core_percent)
+    if placement.memory_mib:
+        envs["VGPU_MEMORY_LIMIT_MIB"] = str(placement.memory_mib)
+    return envs
+
+
+def container_edits(
+    placement: Placement,
+    cards: Sequence[Card | None],
+    *,
+    config_dir: str,
+    shared_dir: str,
+    hook_path: str | None,
+) -> ContainerEdits:
+    """Everything the container gets: the one contract of both modes."""
+    envs = limit_envs(placement)
+    mounts = [
+        MountSpec(CONFIG_MOUNT, config_dir, True),
+        MountSpec(SHARED_MOUNT, shared_dir, False),
+    ]
+    if hook_path is not None and not placement.whole:
+        in_container = f"{HOOK_MOUNT_DIR}/{hook_path.rsplit('/', 1)[-1]}"
+        mounts.append(MountSpec(in_container, hook_path, True))
+        envs["LD_PRELOAD"] = in_container
+    devices = [
+        DeviceNode(f"/dev/nvidia{card.minor}", f"/dev/nvidia{card.minor}")
+        for card in cards
+        if card is not None
+    ]
+    devices += [DeviceNode(path, path) for path in CONTROL_DEVICES]
+    return ContainerEdits(envs=envs, mounts=tuple(mounts), devices=tuple(devices))
