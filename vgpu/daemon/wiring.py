@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from vgpu import __version__
 from vgpu.adapters.fs import ContainerStore, PluginDirWatcher, install_hook
@@ -76,6 +76,31 @@ def build_pods(settings: Settings, on_gone: Callable[[], None]) -> PodSource:
             "spec.nodeName) so vgpu can watch the pods of this node"
         )
     return KubePodCache(settings.node_name, settings.resource_domain, settings.kubeconfig, on_gone)
+
+
+def install_hook_library(settings: Settings) -> Path | None:
+    """Install the hook library (both modes); ConfigError naming the keys on failure."""
+    if settings.hook_library is None:
+        return None
+    try:
+        hook = install_hook(settings.hook_library, settings.hook_dir, __version__)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot install the hook library {settings.hook_library} into {settings.hook_dir}: "
+            f"{exc.strerror}; check hook_library / hook_dir"
+        ) from exc
+    log.info("hook library installed as %s", hook)
+    return hook
+
+
+class Lifecycle(Protocol):
+    """What `run` drives: the device plugin's Daemon or the DRA driver's."""
+
+    stop: threading.Event
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class Daemon:
@@ -173,18 +198,11 @@ class Daemon:
             )
         s.device_plugin_dir.mkdir(parents=True, exist_ok=True)
         self.store.prepare()
-        if s.hook_library is not None:
-            try:
-                hook = install_hook(s.hook_library, s.hook_dir, __version__)
-            except OSError as exc:
-                raise ConfigError(
-                    f"cannot install the hook library {s.hook_library} into {s.hook_dir}: "
-                    f"{exc.strerror}; check hook_library / hook_dir"
-                ) from exc
+        hook = install_hook_library(s)
+        if hook is not None:
             self.service.options = ServiceOptions(
                 **{**self.service.options.__dict__, "hook_path": hook}
             )
-            log.info("hook library installed as %s", hook)
         self.service.recover()
         self.pods.start(self.stop)
         if s.metrics_address:
@@ -309,9 +327,9 @@ class Daemon:
         log.info("stopped; sockets removed")
 
 
-def run(settings: Settings) -> int:
+def run(settings: Settings, factory: Callable[[Settings], Lifecycle] = Daemon) -> int:
     """Run until SIGTERM/SIGINT. Exit codes: 0 clean stop, 2 bad config, 3 backend unusable."""
-    daemon = Daemon(settings)
+    daemon = factory(settings)
     signals = {"count": 0}
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
