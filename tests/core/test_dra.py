@@ -427,8 +427,9 @@ def test_claim_view_refuses_malformed_claims(obj: Any, words: str) -> None:
         (ClaimRef("ns", "a" * 65, "c"), False),
         (ClaimRef("ns", "", "c"), False),
         (ClaimRef("", "u-1", "c"), False),
+        (ClaimRef("ns", "u-1", "c" * 254), False),
     ],
-    ids=["uuid", "path-traversal", "too-long", "empty", "no-namespace"],
+    ids=["uuid", "path-traversal", "too-long", "empty", "no-namespace", "long-name"],
 )
 def test_claim_ref_check(ref: ClaimRef, ok: bool) -> None:
     if ok:

@@ -235,9 +235,16 @@ def test_hostile_claims_get_their_own_errors_and_the_rest_is_prepared(dra: DraSi
     assert "not a Kubernetes UID" in reply.claims["../../etc/passwd"].error
     assert reply.claims[good].error == "" and len(reply.claims[good].devices) == 1
     assert len(_files(dra.cdi_dir)) == 1  # only the good claim has files
-    # a malformed call as a whole is INVALID_ARGUMENT, and the driver keeps serving
+    # a claim without a UID or with an overlong name is its own error too
+    odd = dra.kubelet.prepare(
+        DRIVER,
+        [("default", "", "no-uid"), ("default", "u-2", "x" * 300), ("default", good, "good")],
+    )
+    assert "not a Kubernetes UID" in odd.claims[""].error
+    assert "at most 253" in odd.claims["u-2"].error and odd.claims[good].error == ""
+    # only a call no kubelet makes fails as a whole, and the driver keeps serving
     with pytest.raises(grpc.RpcError) as info:
-        dra.kubelet.prepare(DRIVER, [("default", "", "no-uid")])
+        dra.kubelet.prepare(DRIVER, [("default", f"u-{i}", "c") for i in range(1025)])
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert dra.kubelet.prepare(DRIVER, [("default", good, "good")]).claims[good].error == ""
 

@@ -445,8 +445,11 @@ class ClaimRef:
                 f"claim UID {self.uid[:80]!r} is not a Kubernetes UID (letters, digits and '-', "
                 "at most 64)"
             )
-        if not self.namespace or not self.name:
-            raise InvalidRequest(f"claim {self.uid} has no namespace or name")
+        if not 0 < len(self.namespace) <= 63 or not 0 < len(self.name) <= 253:
+            raise InvalidRequest(
+                f"claim {self.uid} needs a namespace (at most 63 characters) and a name (at "
+                "most 253)"
+            )
 
     @property
     def shown(self) -> str:

@@ -42,7 +42,13 @@ from vgpu.config import Settings
 from vgpu.core.dra import device_name, driver_name
 from vgpu.core.errors import ConfigError
 from vgpu.daemon.draservice import DraOptions, DraService
-from vgpu.daemon.wiring import USAGE_INTERVAL_S, build_backend, install_hook_library, run
+from vgpu.daemon.wiring import (
+    build_backend,
+    install_hook_library,
+    run,
+    usage_loop,
+    watch_backend,
+)
 
 log = logging.getLogger("vgpu")
 
@@ -227,19 +233,10 @@ class DraDaemon:
                 self._serve()
 
     def _watch_backend(self) -> None:
-        try:
-            self.backend.watch(self.stop, self.service.set_cards, self.service.on_event)
-        except Exception:
-            log.exception("the GPU backend watch failed; health is no longer watched")
+        watch_backend(self.backend, self.stop, self.service.set_cards, self.service.on_event)
 
     def _usage_loop(self) -> None:
-        while True:
-            try:
-                self.service.set_readings(self.backend.readings())
-            except Exception as exc:  # a backend hiccup must not end the loop
-                log.warning("reading card usage failed: %s", exc)
-            if self.stop.wait(USAGE_INTERVAL_S):
-                return
+        usage_loop(self.backend, self.stop, self.service.set_readings)
 
     # ---------------------------------------------------------- shutdown
 

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,16 +93,10 @@ class DraService:
 
     # ------------------------------------------------------------ cards
 
-    def _judge(self, card: Card) -> Card:
-        """Apply the XID filter to a card as the backend reported it."""
-        if card.xid is not None and card.healthy:
-            return self.tracker.apply(replace(card, xid=None), HealthEvent(card.uuid, xid=card.xid))
-        return card
-
     def set_cards(self, cards: Sequence[Card]) -> None:
         with self._lock:
             before = self.cards
-            self.cards = {c.uuid: self._judge(c) for c in cards}
+            self.cards = {c.uuid: self.tracker.judge(c) for c in cards}
             for card in self.cards.values():
                 self._log_health(before.get(card.uuid), card)
             for uuid in set(before) - set(self.cards):

@@ -100,9 +100,7 @@ class PluginService:
 
     def _judge(self, card: Card) -> Card:
         """Apply the XID filter to a card as the backend reported it."""
-        if card.xid is not None and card.healthy:
-            return self.tracker.apply(replace(card, xid=None), HealthEvent(card.uuid, xid=card.xid))
-        return card
+        return self.tracker.judge(card)
 
     def set_cards(self, cards: Sequence[Card]) -> None:
         with self._lock:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from vgpu import __version__
 from vgpu.adapters.fs import ContainerStore, PluginDirWatcher, install_hook
-from vgpu.adapters.gpus import BackendError, GpuBackend, MockBackend
+from vgpu.adapters.gpus import BackendError, CardReading, GpuBackend, MockBackend
 from vgpu.adapters.kube import KubePodCache, NoPods, PodSource
 from vgpu.adapters.kubelet.servicer import (
     DevicePluginServicer,
@@ -39,7 +39,8 @@ from vgpu.adapters.nvml import NvmlBackend
 from vgpu.adapters.podresources import PodResourcesClient
 from vgpu.config import Settings
 from vgpu.core.errors import ConfigError
-from vgpu.core.model import Resource
+from vgpu.core.health import HealthEvent
+from vgpu.core.model import Card, CardUuid, Resource
 from vgpu.daemon.service import PluginService, ServiceOptions
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
 
@@ -91,6 +92,34 @@ def install_hook_library(settings: Settings) -> Path | None:
         ) from exc
     log.info("hook library installed as %s", hook)
     return hook
+
+
+def watch_backend(
+    backend: GpuBackend,
+    stop: threading.Event,
+    on_cards: Callable[[list[Card]], None],
+    on_event: Callable[[HealthEvent], None],
+) -> None:
+    """The backend's health watch (both modes); a failure is logged, never raised."""
+    try:
+        backend.watch(stop, on_cards, on_event)
+    except Exception:
+        log.exception("the GPU backend watch failed; health is no longer watched")
+
+
+def usage_loop(
+    backend: GpuBackend,
+    stop: threading.Event,
+    set_readings: Callable[[dict[CardUuid, CardReading]], None],
+) -> None:
+    """Real memory use and utilisation per card, every USAGE_INTERVAL_S (both modes)."""
+    while True:
+        try:
+            set_readings(backend.readings())
+        except Exception as exc:  # a backend hiccup must not end the loop
+            log.warning("reading card usage failed: %s", exc)
+        if stop.wait(USAGE_INTERVAL_S):
+            return
 
 
 class Lifecycle(Protocol):
@@ -223,10 +252,7 @@ class Daemon:
         self._threads.append(thread)
 
     def _watch_backend(self) -> None:
-        try:
-            self.backend.watch(self.stop, self.service.set_cards, self.service.on_event)
-        except Exception:
-            log.exception("the GPU backend watch failed; health is no longer watched")
+        watch_backend(self.backend, self.stop, self.service.set_cards, self.service.on_event)
 
     def _serve(self) -> None:
         for server in self.servers.values():
@@ -288,14 +314,7 @@ class Daemon:
         self._try_register()
 
     def _usage_loop(self) -> None:
-        """Real memory use and utilisation per card, every USAGE_INTERVAL_S."""
-        while True:
-            try:
-                self.service.set_readings(self.backend.readings())
-            except Exception as exc:  # a backend hiccup must not end the loop
-                log.warning("reading card usage failed: %s", exc)
-            if self.stop.wait(USAGE_INTERVAL_S):
-                return
+        usage_loop(self.backend, self.stop, self.service.set_readings)
 
     def _reconcile_loop(self) -> None:
         interval = self.settings.reconcile_interval_s

@@ -246,27 +246,25 @@ class DraKubelet:
         self, driver: str, claims: Sequence[tuple[str, str, str]]
     ) -> pb.NodePrepareResourcesResponse:
         """NodePrepareResources for (namespace, uid, name) claims of one pod."""
-        request = pb.NodePrepareResourcesRequest(
-            claims=[pb.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in claims]
+        request = pb.NodePrepareResourcesRequest(claims=_claims(claims))
+        reply: pb.NodePrepareResourcesResponse = self._timed(
+            "prepare", self._stub(driver).NodePrepareResources, request
         )
-        started = time.perf_counter()
-        reply: pb.NodePrepareResourcesResponse = self._stub(driver).NodePrepareResources(
-            request, timeout=self.rpc_timeout_s
-        )
-        self.latencies_s["prepare"].append(time.perf_counter() - started)
         return reply
 
     def unprepare(
         self, driver: str, claims: Sequence[tuple[str, str, str]]
     ) -> pb.NodeUnprepareResourcesResponse:
-        request = pb.NodeUnprepareResourcesRequest(
-            claims=[pb.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in claims]
+        request = pb.NodeUnprepareResourcesRequest(claims=_claims(claims))
+        reply: pb.NodeUnprepareResourcesResponse = self._timed(
+            "unprepare", self._stub(driver).NodeUnprepareResources, request
         )
+        return reply
+
+    def _timed(self, kind: str, method: Callable[..., Any], request: Any) -> Any:
         started = time.perf_counter()
-        reply: pb.NodeUnprepareResourcesResponse = self._stub(driver).NodeUnprepareResources(
-            request, timeout=self.rpc_timeout_s
-        )
-        self.latencies_s["unprepare"].append(time.perf_counter() - started)
+        reply = method(request, timeout=self.rpc_timeout_s)
+        self.latencies_s[kind].append(time.perf_counter() - started)
         return reply
 
     # ---------------------------------------------------------------- CDI
@@ -298,3 +296,7 @@ class DraKubelet:
             for node in container.get("deviceNodes") or []:
                 edits.device_nodes[node["path"]] = node
         return edits
+
+
+def _claims(claims: Sequence[tuple[str, str, str]]) -> list[pb.Claim]:
+    return [pb.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in claims]
