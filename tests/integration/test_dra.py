@@ -81,6 +81,11 @@ def _files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
 
 
+def _records(dra: DraSimNode) -> list[str]:
+    """Committed claim records (not a write in flight)."""
+    return [n for n in _files(dra.state_dir / "dra" / "claims") if not n.startswith(".")]
+
+
 def _config(node: DraSimNode, edits: Any) -> dict[str, Any]:
     host = Path(edits.mounts["/etc/vgpu"]["hostPath"])
     return dict(json.loads((host / "config.json").read_text()))
@@ -353,13 +358,15 @@ def test_kill_9_during_prepares_leaves_every_claim_whole_or_absent(dra: DraSimNo
         done.set()
 
     threading.Thread(target=hammer, daemon=True).start()
-    assert wait_until(lambda: len(_files(dra.state_dir / "dra" / "claims")) >= 3, 10.0, 0.002)
+    assert wait_until(lambda: len(_records(dra)) >= 3, 10.0, 0.002)
     dra.stop_daemon(signal.SIGKILL)
     done.wait(10.0)
+    (dra.cdi_dir / ".vendor.io-vgpu_x.json.1.tmp").write_text("half")  # a write cut short
+    (dra.cdi_dir / ".other-vendor.json.1.tmp").write_text("not ours")
     dra.start_daemon()
-    records = _files(dra.state_dir / "dra" / "claims")
+    records = _files(dra.state_dir / "dra" / "claims")  # temp files swept: all committed
     assert len(records) >= 3
-    specs = _files(dra.cdi_dir)
+    specs = [n for n in _files(dra.cdi_dir) if n != ".other-vendor.json.1.tmp"]
     assert specs == sorted(f"vendor.io-vgpu_{r.removesuffix('.json')}" + ".json" for r in records)
     for spec in specs:
         for device in json.loads((dra.cdi_dir / spec).read_text())["devices"]:
@@ -367,7 +374,8 @@ def test_kill_9_during_prepares_leaves_every_claim_whole_or_absent(dra: DraSimNo
                 assert Path(mount["hostPath"]).exists(), mount
     reply = dra.kubelet.unprepare(DRIVER, refs)
     assert all(r.error == "" for r in reply.claims.values())
-    assert _files(dra.cdi_dir) == [] and _files(dra.state_dir / "dra" / "claims") == []
+    assert _files(dra.cdi_dir) == [".other-vendor.json.1.tmp"]  # another vendor's file stays
+    assert _files(dra.state_dir / "dra" / "claims") == []
 
 
 # ------------------------------------------------------------------ status

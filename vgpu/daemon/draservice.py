@@ -363,6 +363,7 @@ class DraService:
         """Load the prepared claims, finish or repair their files, sweep orphans."""
         self.store.prepare()
         sweep_temp_files(self.records.root)
+        sweep_temp_files(self.cdi.directory, self.cdi.prefix)
         records, bad = self.records.load_all()
         with self._lock:
             for record in records:

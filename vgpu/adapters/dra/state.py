@@ -137,13 +137,14 @@ class ClaimStore:
         return good, bad
 
 
-def sweep_temp_files(directory: Path) -> None:
-    """Remove atomic_write's leftovers (".<name>.*.tmp") of a crash mid-write."""
+def sweep_temp_files(directory: Path, prefix: str = "") -> None:
+    """Remove atomic_write's leftovers (".<name>.*.tmp") of a crash mid-write;
+    with `prefix`, only those of files named so (a shared directory)."""
     try:
         entries = list(directory.iterdir())
     except FileNotFoundError:
         return
     for entry in entries:
-        if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+        if entry.name.startswith(f".{prefix}") and entry.name.endswith(".tmp"):
             with contextlib.suppress(OSError):
                 entry.unlink()
