@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import admission, footprint, hooks, packing, scale
+from bench import admission, dra, footprint, hooks, packing, scale
 from bench.common import Json, machine
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
@@ -43,6 +43,7 @@ def sections(plan: Plan) -> dict[str, Callable[[], Json]]:
         "footprint": lambda: footprint.run(plan.churn, plan.idle_s, plan.settle_limit_s),
         "packing": lambda: packing.run(plan.arrivals),
         "hooks": hooks.run,
+        "dra": lambda: dra.run(plan.admissions // 2),
     }
 
 
@@ -122,12 +123,39 @@ def _rows_hooks(r: Json) -> list[list[str]]:
     return [[k, f"{v} ns"] for k, v in r["metrics"].items()]
 
 
+def _rows_dra(r: Json) -> list[list[str]]:
+    rows = [["NodePrepareResources", "calls", "p50 ms", "p99 ms", "max ms"]]
+    for name in ("prepare_one_claim", "prepare_pod_of_8_claims"):
+        v = r[name]
+        rows.append(
+            [
+                name,
+                str(v["calls"]),
+                f"{v['p50_ms']:.2f}",
+                f"{v['p99_ms']:.2f}",
+                f"{v['max_ms']:.2f}",
+            ]
+        )
+    p = r["publication_s"]
+    rows.append(
+        [
+            "slice after health change (s)",
+            str(p["changes"]),
+            f"{p['p50_s']:.3f}",
+            f"{p['p99_s']:.3f}",
+            f"{p['max_s']:.3f}",
+        ]
+    )
+    return rows
+
+
 ROWS: dict[str, Callable[[Json], list[list[str]]]] = {
     "admission": _rows_admission,
     "scale": _rows_scale,
     "footprint": _rows_footprint,
     "packing": _rows_packing,
     "hooks": _rows_hooks,
+    "dra": _rows_dra,
 }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("admission", "scale", "footprint", "packing", "hooks")
+SECTIONS = ("admission", "scale", "footprint", "packing", "hooks", "dra")
 
 
 def _numbers(value: Any) -> list[float]:
@@ -77,6 +77,13 @@ def test_bench_quick_writes_every_section(tmp_path: Path) -> None:
     for run in runs:
         assert 0 <= run["fragmentation_share"] <= 1
         assert 0 < run["mean_core_utilisation"] <= 1
+
+    dra = sections["dra"]
+    for name in ("prepare_one_claim", "prepare_pod_of_8_claims"):
+        assert dra[name]["calls"] > 0 and 0 < dra[name]["p50_ms"] <= dra[name]["p99_ms"]
+    assert 0 < dra["publication_s"]["p50_s"] <= dra["publication_s"]["max_s"]
+    assert dra["claim_reads"]["cache"] + dra["claim_reads"].get("api", 0) > 0
+    assert len(dra["targets"]) == 3
 
     hooks = sections["hooks"]
     if hooks["available"]:

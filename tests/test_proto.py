@@ -18,6 +18,10 @@ from grpc_tools import protoc  # type: ignore[import-untyped]
 
 from vgpu.pb import deviceplugin_v1beta1_pb2 as dp
 from vgpu.pb import deviceplugin_v1beta1_pb2_grpc as dp_grpc
+from vgpu.pb import dra_v1_pb2 as dra
+from vgpu.pb import dra_v1_pb2_grpc as dra_grpc
+from vgpu.pb import pluginregistration_v1_pb2 as reg
+from vgpu.pb import pluginregistration_v1_pb2_grpc as reg_grpc
 from vgpu.pb import podresources_v1_pb2 as pr
 from vgpu.pb import podresources_v1_pb2_grpc as pr_grpc
 
@@ -27,6 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTOS = {
     "vgpu/pb/deviceplugin_v1beta1.proto": dp,
     "vgpu/pb/podresources_v1.proto": pr,
+    "vgpu/pb/dra_v1.proto": dra,
+    "vgpu/pb/pluginregistration_v1.proto": reg,
 }
 
 
@@ -71,6 +77,8 @@ def test_committed_stubs_match_the_protos(short_tmp: Path) -> None:
 def test_packages() -> None:
     assert dp.DESCRIPTOR.package == "v1beta1"
     assert pr.DESCRIPTOR.package == "v1"
+    assert dra.DESCRIPTOR.package == "k8s.io.kubelet.pkg.apis.dra.v1"
+    assert reg.DESCRIPTOR.package == "pluginregistration"
 
 
 # ------------------------------------------------------------ method paths
@@ -105,13 +113,17 @@ METHODS = {
     "/v1.PodResourcesLister/List": "unary_unary",
     "/v1.PodResourcesLister/GetAllocatableResources": "unary_unary",
     "/v1.PodResourcesLister/Get": "unary_unary",
+    "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources": "unary_unary",
+    "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources": "unary_unary",
+    "/pluginregistration.Registration/GetInfo": "unary_unary",
+    "/pluginregistration.Registration/NotifyRegistrationStatus": "unary_unary",
 }
 
 
 def test_method_paths_in_descriptors_and_stubs() -> None:
     from_descriptors = {
         f"/{service.full_name}/{method.name}"
-        for module in (dp, pr)
+        for module in (dp, pr, dra, reg)
         for service in module.DESCRIPTOR.services_by_name.values()
         for method in service.methods
     }
@@ -120,6 +132,8 @@ def test_method_paths_in_descriptors_and_stubs() -> None:
     dp_grpc.RegistrationStub(channel)  # type: ignore[no-untyped-call]
     dp_grpc.DevicePluginStub(channel)  # type: ignore[no-untyped-call]
     pr_grpc.PodResourcesListerStub(channel)  # type: ignore[no-untyped-call]
+    dra_grpc.DRAPluginStub(channel)  # type: ignore[no-untyped-call]
+    reg_grpc.RegistrationStub(channel)  # type: ignore[no-untyped-call]
     assert channel.paths == METHODS
 
 
@@ -189,11 +203,36 @@ POD_RESOURCES: dict[str, dict[str, int]] = {
     "GetPodResourcesResponse": {"pod_resources": 1},
 }
 
+# k8s.io/kubelet/pkg/apis/dra/v1 and .../pluginregistration/v1 (the wire facts).
+DRA: dict[str, dict[str, int]] = {
+    "NodePrepareResourcesRequest": {"claims": 1},
+    "NodePrepareResourcesResponse": {"claims": 1},
+    "NodePrepareResourceResponse": {"devices": 1, "error": 2},
+    "Device": {
+        "request_names": 1,
+        "pool_name": 2,
+        "device_name": 3,
+        "cdi_device_ids": 4,
+        "share_id": 5,
+    },
+    "NodeUnprepareResourcesRequest": {"claims": 1},
+    "NodeUnprepareResourcesResponse": {"claims": 1},
+    "NodeUnprepareResourceResponse": {"error": 1},
+    "Claim": {"namespace": 1, "uid": 2, "name": 3},
+}
+
+REGISTRATION: dict[str, dict[str, int]] = {
+    "PluginInfo": {"type": 1, "name": 2, "endpoint": 3, "supported_versions": 4},
+    "RegistrationStatus": {"plugin_registered": 1, "error": 2},
+    "RegistrationStatusResponse": {},
+    "InfoRequest": {},
+}
+
 
 @pytest.mark.parametrize(
     "module, table",
-    [(dp, DEVICE_PLUGIN), (pr, POD_RESOURCES)],
-    ids=["deviceplugin-v1beta1", "podresources-v1"],
+    [(dp, DEVICE_PLUGIN), (pr, POD_RESOURCES), (dra, DRA), (reg, REGISTRATION)],
+    ids=["deviceplugin-v1beta1", "podresources-v1", "dra-v1", "pluginregistration"],
 )
 def test_every_message_field_name_and_number(
     module: ModuleType, table: dict[str, dict[str, int]]
@@ -227,6 +266,13 @@ def test_every_message_field_name_and_number(
         (pr.ContainerDevices, "device_ids", FieldDescriptor.TYPE_STRING, True),
         (pr.ContainerMemory, "size", FieldDescriptor.TYPE_UINT64, False),
         (pr.NUMANode, "ID", FieldDescriptor.TYPE_INT64, False),
+        (dra.Device, "cdi_device_ids", FieldDescriptor.TYPE_STRING, True),
+        (dra.Device, "request_names", FieldDescriptor.TYPE_STRING, True),
+        (dra.Device, "share_id", FieldDescriptor.TYPE_STRING, False),
+        (dra.Claim, "uid", FieldDescriptor.TYPE_STRING, False),
+        (dra.NodePrepareResourceResponse, "error", FieldDescriptor.TYPE_STRING, False),
+        (reg.PluginInfo, "supported_versions", FieldDescriptor.TYPE_STRING, True),
+        (reg.RegistrationStatus, "plugin_registered", FieldDescriptor.TYPE_BOOL, False),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -246,3 +292,26 @@ def test_maps_are_string_to_string() -> None:
             "key": FieldDescriptor.TYPE_STRING,
             "value": FieldDescriptor.TYPE_STRING,
         }
+
+
+def test_share_id_is_optional_with_presence() -> None:
+    field = dra.Device.DESCRIPTOR.fields_by_name["share_id"]
+    assert field.has_presence
+    assert not dra.Device().HasField("share_id")
+    assert dra.Device(share_id="").HasField("share_id")
+
+
+@pytest.mark.parametrize(
+    "message, value",
+    [
+        (dra.NodePrepareResourcesResponse, dra.NodePrepareResourceResponse),
+        (dra.NodeUnprepareResourcesResponse, dra.NodeUnprepareResourceResponse),
+    ],
+    ids=["prepare", "unprepare"],
+)
+def test_dra_answers_are_maps_keyed_by_claim_uid(message: Any, value: Any) -> None:
+    entry = message.DESCRIPTOR.fields_by_name["claims"].message_type
+    assert entry.GetOptions().map_entry
+    fields = entry.fields_by_name
+    assert fields["key"].type == FieldDescriptor.TYPE_STRING
+    assert fields["value"].message_type.full_name == value.DESCRIPTOR.full_name

@@ -54,6 +54,16 @@ class Settings:
     hook_dir: Path = Path("/usr/local/vgpu")
     api_wait_s: float = 2.0
     reconcile_interval_s: float = 10.0
+    mode: str = "device-plugin"
+    kubelet_registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
+    kubelet_plugin_dir: Path | None = None  # None: /var/lib/kubelet/plugins/vgpu.<domain>
+    cdi_dir: Path = Path("/var/run/cdi")
+
+    def dra_plugin_dir(self) -> Path:
+        """The DRA socket's directory (kubelet_plugin_dir, or its per-driver default)."""
+        if self.kubelet_plugin_dir is not None:
+            return self.kubelet_plugin_dir
+        return Path("/var/lib/kubelet/plugins") / f"vgpu.{self.resource_domain}"
 
     def public(self) -> dict[str, Any]:
         """The effective settings as plain data (for the start-up log and `config`)."""
@@ -90,6 +100,10 @@ KEYS: dict[str, str] = {
     "hook_dir": "host directory the library is installed into and mounted from",
     "api_wait_s": "longest wait for a pod to appear in the API cache at admission (0-2)",
     "reconcile_interval_s": "how often to re-check the kubelet for finished pods (1-3600)",
+    "mode": "device-plugin (extended resources) or dra (Dynamic Resource Allocation, 1.34+)",
+    "kubelet_registry_dir": "dra: the kubelet's plugin-watcher directory",
+    "kubelet_plugin_dir": "dra: the DRA socket dir; unset: /var/lib/kubelet/plugins/vgpu.<domain>",
+    "cdi_dir": "dra: where CDI spec files are written for the container runtime",
 }
 _PATHS = {
     "mock_gpus",
@@ -99,8 +113,19 @@ _PATHS = {
     "state_dir",
     "hook_library",
     "hook_dir",
+    "kubelet_registry_dir",
+    "kubelet_plugin_dir",
+    "cdi_dir",
 }
-_OPTIONAL = {"mock_gpus", "kubeconfig", "node_name", "metrics_address", "hook_library"}
+_OPTIONAL = {
+    "mock_gpus",
+    "kubeconfig",
+    "node_name",
+    "metrics_address",
+    "hook_library",
+    "kubelet_plugin_dir",
+}
+MODES = ("device-plugin", "dra")
 
 
 def _convert(key: str, value: Any, source: str) -> Any:
@@ -122,6 +147,10 @@ def _convert(key: str, value: Any, source: str) -> Any:
     if key == "backend":
         if value not in ("nvml", "mock"):
             raise bad("nvml or mock")
+        return value
+    if key == "mode":
+        if value not in MODES:
+            raise bad(" or ".join(MODES))
         return value
     if key == "policy":
         try:

@@ -31,6 +31,16 @@ SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--hook-dir", {"metavar": "DIR", "help": "host dir for the hook (default /usr/local/vgpu)"}),
     ("--api-wait-s", {"metavar": "S", "help": "longest wait for pod info at admission"}),
     ("--reconcile-interval-s", {"metavar": "S", "help": "re-check period (default 10)"}),
+    ("--mode", {"choices": ["device-plugin", "dra"], "help": "default device-plugin"}),
+    (
+        "--kubelet-registry-dir",
+        {"metavar": "DIR", "help": "dra: default /var/lib/kubelet/plugins_registry"},
+    ),
+    (
+        "--kubelet-plugin-dir",
+        {"metavar": "DIR", "help": "dra: default /var/lib/kubelet/plugins/vgpu.<domain>"},
+    ),
+    ("--cdi-dir", {"metavar": "DIR", "help": "dra: CDI spec directory (default /var/run/cdi)"}),
 ]
 
 
@@ -49,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="mock GPUs against the built-in kubelet simulator")
     demo.add_argument("--gpus", default="preset:2xH200", help="mock cards (default preset:2xH200)")
     demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    demo.add_argument(
+        "--dra", action="store_true", help="DRA mode: claims fitted by a scheduler stand-in"
+    )
 
     status = sub.add_parser("status", help="show cards, slices and containers on this node")
     status.add_argument("--state-dir", type=Path, default=None, help="default /var/lib/vgpu")
@@ -69,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "demo":
+            if args.dra:
+                from vgpu.cli.drademo import run_dra_demo
+
+                return run_dra_demo(args.gpus, keep=args.keep)
             from vgpu.cli.demo import run_demo
 
             return run_demo(args.gpus, keep=args.keep)
@@ -101,7 +118,12 @@ def _serve(args: argparse.Namespace) -> int:
     }
     settings = config.load(flags, config_file=args.config)
     logs.configure(settings.log_format, settings.log_level)
-    code = wiring.run(settings)
+    if settings.mode == "dra":
+        from vgpu.daemon.dra import run_dra
+
+        code = run_dra(settings)
+    else:
+        code = wiring.run(settings)
     # The orderly shutdown is done (sockets removed, servers stopped, state on
     # disk). Skip interpreter finalisation: background threads may still sit
     # inside gRPC or urllib3 C code, and tearing modules down under them can

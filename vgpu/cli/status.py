@@ -16,7 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vgpu.adapters.fs import ContainerStore, placement_record
+from vgpu.adapters.dra.state import ClaimStore
+from vgpu.adapters.fs import ContainerPaths, ContainerStore, placement_record
+from vgpu.core.dra import claim_key
+from vgpu.core.model import Placement
 from vgpu.core.slicing import parse_device_id
 
 DEFAULT_STATE_DIR = Path("/var/lib/vgpu")
@@ -124,37 +127,26 @@ def collect(state_dir: Path, now_s: float | None = None) -> dict[str, Any]:
     for p in sorted(placements, key=lambda p: p.created_s):
         record = placement_record(p, unit)
         for uuid in p.cards:
-            card = cards.get(uuid)
-            if card is None:  # the card disappeared while a container still holds it
-                gone = {"uuid": uuid, "index": -1, "name": "(gone)", "memory_mib": 0}
-                cards[uuid] = card = _card_entry(gone, health="Gone")
-            card["containers"] += 1
+            _holding(cards, uuid)
             mine = held.setdefault(uuid, {"vcuda-core": set(), "vcuda-memory": set()})
             for resource, ids in record["device_ids"].items():
                 mine[resource] |= {d for d in ids if parse_device_id(d)[0] == uuid}
-        paths = store.paths(p.key)
         owner = p.owner
+        who = {
+            "namespace": owner.namespace if owner else None,
+            "pod": owner.pod if owner else None,
+            "container": owner.container if owner else None,
+            "pod_uid": owner.pod_uid if owner else None,
+        }
         containers.append(
-            {
-                "namespace": owner.namespace if owner else None,
-                "pod": owner.pod if owner else None,
-                "container": owner.container if owner else None,
-                "pod_uid": owner.pod_uid if owner else None,
-                "key": p.key,
-                "cards": list(p.cards),
-                "core": p.core_percent,
-                "whole_cards": p.whole,
-                "memory_mib": p.memory_mib,
-                "memory_used_mib": hook_usage_mib(paths.shared_dir),
-                "age_s": max(0.0, now - p.created_s),
-                "device_ids": record["device_ids"],
-                "config_path": str(paths.config_file),
-                "card_health": [cards[u]["health"] for u in p.cards],
-            }
+            _slice_entry(who, p, store.paths(p.key), now, record["device_ids"], cards)
         )
     for card_uuid, mine in held.items():
         cards[card_uuid]["core_allocated"] = len(mine["vcuda-core"])
         cards[card_uuid]["memory_allocated_mib"] = len(mine["vcuda-memory"]) * unit
+    dra, dra_bad = _dra_entries(state_dir, unit, cards, now)
+    containers += dra
+    bad += dra_bad
     return {
         "node_file": str(node_file),
         "updated_s": node.get("updated_s"),
@@ -164,6 +156,75 @@ def collect(state_dir: Path, now_s: float | None = None) -> dict[str, Any]:
         "containers": containers,
         "unreadable_records": bad,
     }
+
+
+def _holding(cards: dict[str, dict[str, Any]], uuid: str) -> dict[str, Any]:
+    """The card a slice is on, counted; a "Gone" entry if it disappeared meanwhile."""
+    card = cards.get(uuid)
+    if card is None:
+        gone = {"uuid": uuid, "index": -1, "name": "(gone)", "memory_mib": 0}
+        cards[uuid] = card = _card_entry(gone, health="Gone")
+    card["containers"] += 1
+    return card
+
+
+def _slice_entry(
+    who: dict[str, Any],
+    p: Placement,
+    paths: ContainerPaths,
+    now: float,
+    device_ids: dict[str, Any],
+    cards: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """One row of `containers`: who holds it, then the slice."""
+    return {
+        **who,
+        "key": p.key,
+        "cards": list(p.cards),
+        "core": p.core_percent,
+        "whole_cards": p.whole,
+        "memory_mib": p.memory_mib,
+        "memory_used_mib": hook_usage_mib(paths.shared_dir),
+        "age_s": max(0.0, now - p.created_s),
+        "device_ids": device_ids,
+        "config_path": str(paths.config_file),
+        "card_health": [cards[u]["health"] for u in p.cards],
+    }
+
+
+def _dra_entries(
+    state_dir: Path, unit: int, cards: dict[str, dict[str, Any]], now: float
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """DRA mode's prepared claims, one entry per request, like device-plugin slices."""
+    dra_dir = state_dir / "dra"
+    records, bad = ClaimStore(dra_dir, unit).load_all()
+    store = ContainerStore(dra_dir, unit)
+    entries = []
+    for record in sorted(records, key=lambda r: r.created_s):
+        pod, pod_uid = record.pods[0] if record.pods else (None, None)
+        requests = {claim_key(record.claim.uid, d.request): d.request for d in record.devices}
+        for p in record.placements:
+            for uuid in p.cards:
+                card = _holding(cards, uuid)
+                card["core_allocated"] += p.core_percent
+                whole_mib = card["memory_mib"] // unit * unit if p.whole else 0
+                card["memory_allocated_mib"] += p.memory_mib or whole_mib
+            who = {
+                "namespace": record.claim.namespace,
+                "pod": pod,
+                "container": None,
+                "pod_uid": pod_uid,
+                "claim": {
+                    "namespace": record.claim.namespace,
+                    "name": record.claim.name,
+                    "uid": record.claim.uid,
+                    "request": requests.get(p.key, ""),
+                },
+            }
+            entry = _slice_entry(who, p, store.paths(p.key), now, {}, cards)
+            entry["cdi_devices"] = [i for d in record.devices for i in d.cdi_ids]
+            entries.append(entry)
+    return entries, [f"dra/claims/{name}" for name in bad]
 
 
 def _age(seconds: float) -> str:
@@ -227,11 +288,13 @@ def render(doc: dict[str, Any], wide: bool = False, color: bool = False) -> str:
         if not rows:
             lines.append("  (no containers)")
         for c in rows:
-            name = (
-                f"{c['namespace']}/{c['pod']}/{c['container']}"
-                if c["pod"]
-                else f"(owner not known yet: {c['key']})"
-            )
+            if c.get("claim"):
+                who = f"{c['namespace']}/{c['pod']}" if c["pod"] else c["namespace"]
+                name = f"{who} claim {c['claim']['name']}"
+            elif c["pod"]:
+                name = f"{c['namespace']}/{c['pod']}/{c['container']}"
+            else:
+                name = f"(owner not known yet: {c['key']})"
             core = (
                 "whole card"
                 if c["whole_cards"]
@@ -248,6 +311,8 @@ def render(doc: dict[str, Any], wide: bool = False, color: bool = False) -> str:
             )
             if wide:
                 lines.append(f"      config {c['config_path']}")
+                for cdi in c.get("cdi_devices", []):
+                    lines.append(f"      CDI {cdi}")
                 for resource, ids in c["device_ids"].items():
                     shown = ", ".join(ids[:4]) + (f" (+{len(ids) - 4})" if len(ids) > 4 else "")
                     lines.append(f"      {resource}: {shown}")

@@ -47,6 +47,12 @@ class HealthTracker:
     def __init__(self, ignored_xids: Iterable[int] = DEFAULT_IGNORED_XIDS) -> None:
         self.ignored_xids = frozenset(ignored_xids)
 
+    def judge(self, card: Card) -> Card:
+        """A card as a backend reported it (Card.xid: an XID still to be judged)."""
+        if card.xid is not None and card.healthy:
+            return self.apply(replace(card, xid=None), HealthEvent(card.uuid, xid=card.xid))
+        return card
+
     def apply(self, card: Card, event: HealthEvent) -> Card:
         """The card after `event`; the same object when nothing changed."""
         if event.xid is not None:

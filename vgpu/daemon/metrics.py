@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from vgpu.core.model import Resource
 
 if TYPE_CHECKING:
+    from vgpu.daemon.dra import DraDaemon
     from vgpu.daemon.wiring import Daemon
 
 
@@ -85,10 +86,13 @@ class LedgerCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon | DraDaemon, collector: Collector | None = None) -> None:
+        """`collector` gives the gauges; the device plugin's ledger by default."""
         self.daemon = daemon
         self.registry = CollectorRegistry()
-        self.registry.register(LedgerCollector(daemon))
+        if collector is None:
+            collector = LedgerCollector(cast("Daemon", daemon))
+        self.registry.register(collector)
         self.calls = Counter(
             "vgpu_calls",
             "Kubelet calls by method, resource and outcome (ok or the refusal reason)",

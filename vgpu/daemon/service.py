@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vgpu.adapters.fs import ContainerStore, atomic_write
+from vgpu.adapters.fs import ContainerStore
 from vgpu.adapters.gpus import CardReading
 from vgpu.adapters.kube import PodSource
 from vgpu.adapters.kubelet.servicer import (
@@ -23,6 +23,7 @@ from vgpu.adapters.kubelet.servicer import (
     DeviceView,
     PreferredRequest,
 )
+from vgpu.adapters.nodefile import node_document, write_node_file
 from vgpu.adapters.podresources import PodResourcesClient, PodResourcesUnavailable
 from vgpu.core.contract import container_edits
 from vgpu.core.errors import InsufficientCapacity
@@ -99,9 +100,7 @@ class PluginService:
 
     def _judge(self, card: Card) -> Card:
         """Apply the XID filter to a card as the backend reported it."""
-        if card.xid is not None and card.healthy:
-            return self.tracker.apply(replace(card, xid=None), HealthEvent(card.uuid, xid=card.xid))
-        return card
+        return self.tracker.judge(card)
 
     def set_cards(self, cards: Sequence[Card]) -> None:
         with self._lock:
@@ -208,31 +207,14 @@ class PluginService:
     def _write_node_file(self) -> None:
         if self.node_file is None:
             return
-        cards = [
-            {
-                "uuid": c.uuid,
-                "index": c.index,
-                "name": c.name,
-                "memory_mib": c.memory_mib,
-                "minor": c.minor,
-                "numa_node": c.numa_node,
-                "healthy": c.healthy,
-                "xid": c.xid,
-                "memory_used_mib": self.readings.get(c.uuid, CardReading()).memory_used_mib,
-                "utilization_percent": self.readings.get(c.uuid, CardReading()).utilization_percent,
-            }
-            for c in sorted(self.ledger.cards.values(), key=lambda c: c.index)
-        ]
-        body = {
-            "domain": self.options.domain,
-            "memory_unit_mib": self.options.memory_unit_mib,
-            "cards": cards,
-            "updated_s": self.clock(),
-        }
-        try:
-            atomic_write(self.node_file, json.dumps(body, indent=1).encode())
-        except OSError as exc:
-            log.warning("cannot write %s: %s", self.node_file, exc)
+        document = node_document(
+            self.ledger.cards.values(),
+            self.readings,
+            domain=self.options.domain,
+            memory_unit_mib=self.options.memory_unit_mib,
+            now_s=self.clock(),
+        )
+        write_node_file(self.node_file, document)
 
     # --------------------------------------------------------- admission
 

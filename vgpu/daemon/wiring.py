@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from vgpu import __version__
 from vgpu.adapters.fs import ContainerStore, PluginDirWatcher, install_hook
-from vgpu.adapters.gpus import BackendError, GpuBackend, MockBackend
+from vgpu.adapters.gpus import BackendError, CardReading, GpuBackend, MockBackend
 from vgpu.adapters.kube import KubePodCache, NoPods, PodSource
 from vgpu.adapters.kubelet.servicer import (
     DevicePluginServicer,
@@ -39,7 +39,8 @@ from vgpu.adapters.nvml import NvmlBackend
 from vgpu.adapters.podresources import PodResourcesClient
 from vgpu.config import Settings
 from vgpu.core.errors import ConfigError
-from vgpu.core.model import Resource
+from vgpu.core.health import HealthEvent
+from vgpu.core.model import Card, CardUuid, Resource
 from vgpu.daemon.service import PluginService, ServiceOptions
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
 
@@ -76,6 +77,59 @@ def build_pods(settings: Settings, on_gone: Callable[[], None]) -> PodSource:
             "spec.nodeName) so vgpu can watch the pods of this node"
         )
     return KubePodCache(settings.node_name, settings.resource_domain, settings.kubeconfig, on_gone)
+
+
+def install_hook_library(settings: Settings) -> Path | None:
+    """Install the hook library (both modes); ConfigError naming the keys on failure."""
+    if settings.hook_library is None:
+        return None
+    try:
+        hook = install_hook(settings.hook_library, settings.hook_dir, __version__)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot install the hook library {settings.hook_library} into {settings.hook_dir}: "
+            f"{exc.strerror}; check hook_library / hook_dir"
+        ) from exc
+    log.info("hook library installed as %s", hook)
+    return hook
+
+
+def watch_backend(
+    backend: GpuBackend,
+    stop: threading.Event,
+    on_cards: Callable[[list[Card]], None],
+    on_event: Callable[[HealthEvent], None],
+) -> None:
+    """The backend's health watch (both modes); a failure is logged, never raised."""
+    try:
+        backend.watch(stop, on_cards, on_event)
+    except Exception:
+        log.exception("the GPU backend watch failed; health is no longer watched")
+
+
+def usage_loop(
+    backend: GpuBackend,
+    stop: threading.Event,
+    set_readings: Callable[[dict[CardUuid, CardReading]], None],
+) -> None:
+    """Real memory use and utilisation per card, every USAGE_INTERVAL_S (both modes)."""
+    while True:
+        try:
+            set_readings(backend.readings())
+        except Exception as exc:  # a backend hiccup must not end the loop
+            log.warning("reading card usage failed: %s", exc)
+        if stop.wait(USAGE_INTERVAL_S):
+            return
+
+
+class Lifecycle(Protocol):
+    """What `run` drives: the device plugin's Daemon or the DRA driver's."""
+
+    stop: threading.Event
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class Daemon:
@@ -173,18 +227,11 @@ class Daemon:
             )
         s.device_plugin_dir.mkdir(parents=True, exist_ok=True)
         self.store.prepare()
-        if s.hook_library is not None:
-            try:
-                hook = install_hook(s.hook_library, s.hook_dir, __version__)
-            except OSError as exc:
-                raise ConfigError(
-                    f"cannot install the hook library {s.hook_library} into {s.hook_dir}: "
-                    f"{exc.strerror}; check hook_library / hook_dir"
-                ) from exc
+        hook = install_hook_library(s)
+        if hook is not None:
             self.service.options = ServiceOptions(
                 **{**self.service.options.__dict__, "hook_path": hook}
             )
-            log.info("hook library installed as %s", hook)
         self.service.recover()
         self.pods.start(self.stop)
         if s.metrics_address:
@@ -205,10 +252,7 @@ class Daemon:
         self._threads.append(thread)
 
     def _watch_backend(self) -> None:
-        try:
-            self.backend.watch(self.stop, self.service.set_cards, self.service.on_event)
-        except Exception:
-            log.exception("the GPU backend watch failed; health is no longer watched")
+        watch_backend(self.backend, self.stop, self.service.set_cards, self.service.on_event)
 
     def _serve(self) -> None:
         for server in self.servers.values():
@@ -270,14 +314,7 @@ class Daemon:
         self._try_register()
 
     def _usage_loop(self) -> None:
-        """Real memory use and utilisation per card, every USAGE_INTERVAL_S."""
-        while True:
-            try:
-                self.service.set_readings(self.backend.readings())
-            except Exception as exc:  # a backend hiccup must not end the loop
-                log.warning("reading card usage failed: %s", exc)
-            if self.stop.wait(USAGE_INTERVAL_S):
-                return
+        usage_loop(self.backend, self.stop, self.service.set_readings)
 
     def _reconcile_loop(self) -> None:
         interval = self.settings.reconcile_interval_s
@@ -309,9 +346,9 @@ class Daemon:
         log.info("stopped; sockets removed")
 
 
-def run(settings: Settings) -> int:
+def run(settings: Settings, factory: Callable[[Settings], Lifecycle] = Daemon) -> int:
     """Run until SIGTERM/SIGINT. Exit codes: 0 clean stop, 2 bad config, 3 backend unusable."""
-    daemon = Daemon(settings)
+    daemon = factory(settings)
     signals = {"count": 0}
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -1,14 +1,21 @@
 """A fake Kubernetes API server over real HTTP, for tests and ``vgpu demo``.
 
-Only the standard library is used.  The server speaks enough of the core/v1 API
-for the official ``kubernetes`` Python client to list, get, watch and patch Pods
-and Nodes against it:
+Only the standard library is used (and vgpu's pure core, for quantities).  The
+server speaks enough of the core/v1 API for the official ``kubernetes`` Python
+client to list, get, watch and patch Pods and Nodes against it:
 
 * ``GET /api``, ``/api/v1``, ``/apis``, ``/version``
 * ``GET /api/v1/pods`` and ``/api/v1/namespaces/{ns}/pods`` (list or
   ``watch=true``), with ``fieldSelector`` / ``labelSelector``
 * ``GET|PATCH /api/v1/namespaces/{ns}/pods/{name}``
 * ``GET /api/v1/nodes`` (list or watch) and ``GET|PATCH /api/v1/nodes/{name}``
+* ``resource.k8s.io/v1`` (DRA): DeviceClass, ResourceSlice (cluster-scoped) and
+  ResourceClaim (namespaced): create, get, list, watch, update (PUT, with
+  resourceVersion conflicts), patch, delete, deletecollection, field selectors
+  (``spec.nodeName``, ``spec.driver``, ``spec.pool.name`` on slices), the claims'
+  ``status`` subresource (status is written there only), discovery under
+  ``/apis``, and the server's ResourceSlice validation (capacity request
+  policies: default and max on min's step grid, min + step within the value)
 
 Resource versions come from one global, monotonically increasing counter.  Watch
 events are kept in a bounded history so that a watch can resume from a
@@ -58,6 +65,21 @@ _DEFAULT_IMAGE = "registry.k8s.io/pause:3.9"
 # resource (URL plural) -> (kind, namespaced)
 _RESOURCES: dict[str, tuple[str, bool]] = {"pods": ("Pod", True), "nodes": ("Node", False)}
 
+# The resource.k8s.io/v1 group (DRA): resource (URL plural) -> (kind, namespaced).
+DRA_GROUP = "resource.k8s.io"
+DRA_GROUP_VERSION = f"{DRA_GROUP}/v1"
+_DRA_RESOURCES: dict[str, tuple[str, bool]] = {
+    "deviceclasses": ("DeviceClass", False),
+    "resourceslices": ("ResourceSlice", False),
+    "resourceclaims": ("ResourceClaim", True),
+}
+_ALL_RESOURCES = {**_RESOURCES, **_DRA_RESOURCES}
+
+
+def _api_version(resource: str) -> str:
+    return DRA_GROUP_VERSION if resource in _DRA_RESOURCES else "v1"
+
+
 # The field selectors the real API server accepts, per resource.
 _FIELD_LABELS: dict[str, frozenset[str]] = {
     "pods": frozenset(
@@ -75,6 +97,11 @@ _FIELD_LABELS: dict[str, frozenset[str]] = {
         }
     ),
     "nodes": frozenset({"metadata.name", "spec.unschedulable"}),
+    "deviceclasses": frozenset({"metadata.name"}),
+    "resourceslices": frozenset(
+        {"metadata.name", "spec.nodeName", "spec.driver", "spec.pool.name"}
+    ),
+    "resourceclaims": frozenset({"metadata.name", "metadata.namespace"}),
 }
 
 _REASONS: dict[int, str] = {
@@ -200,7 +227,7 @@ def _parse_field_selector(resource: str, text: str) -> tuple[tuple[str, str, str
         key = key.strip()
         if key not in _FIELD_LABELS[resource]:
             raise _ApiError(
-                400, f'field label not supported: "{key}" for {_RESOURCES[resource][0]}'
+                400, f'field label not supported: "{key}" for {_ALL_RESOURCES[resource][0]}'
             )
         terms.append((key, op, value.strip()))
     return tuple(terms)
@@ -505,7 +532,7 @@ class FakeApiServer:
         self._rv = _INITIAL_RV
         self._floor = _INITIAL_RV  # a watch may resume from any rv >= floor
         self._history: collections.deque[_Event] = collections.deque()
-        self._store: dict[str, dict[tuple[str, str], JSON]] = {r: {} for r in _RESOURCES}
+        self._store: dict[str, dict[tuple[str, str], JSON]] = {r: {} for r in _ALL_RESOURCES}
         self._down = False
         self._delay_s = 0.0
         self._stopping = threading.Event()
@@ -671,6 +698,37 @@ class FakeApiServer:
     def get_node(self, name: str) -> dict[str, Any] | None:
         return self._get("nodes", ("", name))
 
+    # ------------------------------------------------------------------ DRA objects
+
+    def add_object(self, resource: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Store a resource.k8s.io/v1 object (``deviceclasses``, ``resourceslices``,
+        ``resourceclaims``; emits ADDED) and return the stored copy."""
+        if resource not in _DRA_RESOURCES:
+            raise ValueError(f"not a resource.k8s.io/v1 resource: {resource}")
+        if resource == "resourceslices":
+            _check_slice(obj)
+        return self._add(resource, obj)
+
+    def get_object(self, resource: str, name: str, namespace: str = "") -> dict[str, Any] | None:
+        return self._get(resource, (namespace, name))
+
+    def objects(self, resource: str) -> list[dict[str, Any]]:
+        return self._list(resource)
+
+    def update_object(
+        self,
+        resource: str,
+        name: str,
+        mutate: Callable[[dict[str, Any]], None],
+        namespace: str = "",
+    ) -> dict[str, Any]:
+        """Apply ``mutate`` to a copy and store it (emits MODIFIED), like a controller's
+        update or a status write."""
+        return self._update(resource, (namespace, name), mutate)
+
+    def delete_object(self, resource: str, name: str, namespace: str = "") -> None:
+        self._delete(resource, (namespace, name))
+
     # ------------------------------------------------------------------ store internals
 
     def _record(self, resource: str, etype: str, obj: JSON, prev: JSON | None) -> None:
@@ -681,9 +739,9 @@ class FakeApiServer:
         self._cond.notify_all()
 
     def _add(self, resource: str, obj: JSON) -> JSON:
-        kind, namespaced = _RESOURCES[resource]
+        kind, namespaced = _ALL_RESOURCES[resource]
         new = copy.deepcopy(obj)
-        new["apiVersion"] = "v1"
+        new["apiVersion"] = _api_version(resource)
         new["kind"] = kind
         meta = new.get("metadata")
         if not isinstance(meta, dict) or not meta.get("name"):
@@ -793,6 +851,8 @@ class FakeApiServer:
         segs = [unquote(s) for s in split.path.split("/") if s]
         if method == "GET" and segs in (["api"], ["apis"], ["version"], ["api", "v1"]):
             return 200, self._discovery(segs)
+        if segs[:2] == ["apis", DRA_GROUP]:
+            return self._route_dra(method, segs[2:], query, ctype, body)
         if segs[:2] != ["api", "v1"] or len(segs) < 3:
             raise _ApiError(404, "the server could not find the requested resource")
         rest = segs[2:]
@@ -834,7 +894,7 @@ class FakeApiServer:
                 ],
             }
         if segs == ["apis"]:
-            return {"kind": "APIGroupList", "apiVersion": "v1", "groups": []}
+            return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [_dra_group()]}
         if segs == ["version"]:
             return {
                 "major": "1",
@@ -862,6 +922,178 @@ class FakeApiServer:
             ],
         }
 
+    # ------------------------------------------------------------------ resource.k8s.io/v1
+
+    def _route_dra(
+        self, method: str, segs: list[str], query: dict[str, str], ctype: str, body: bytes
+    ) -> tuple[int, JSON] | _WatchState:
+        """``/apis/resource.k8s.io[/v1[/...]]``: discovery, then the three DRA resources."""
+        if not segs:
+            if method != "GET":
+                raise _ApiError(405, f"{method} is not supported on an API group")
+            return 200, _dra_group()
+        if segs[0] != "v1":
+            raise _ApiError(404, f"the server could not find the requested resource ({segs[0]})")
+        rest = segs[1:]
+        if not rest:
+            if method != "GET":
+                raise _ApiError(405, f"{method} is not supported on an API group version")
+            return 200, _dra_resource_list()
+        namespace: str | None = None
+        if rest[0] == "namespaces" and len(rest) >= 3:
+            namespace, rest = rest[1], rest[2:]
+        resource = rest[0]
+        if resource not in _DRA_RESOURCES or len(rest) > 3:
+            raise _ApiError(404, "the server could not find the requested resource")
+        kind, namespaced = _DRA_RESOURCES[resource]
+        if (namespace is not None) != namespaced and (len(rest) > 1 or method != "GET"):
+            raise _ApiError(404, "the server could not find the requested resource")
+        if namespace is not None and not namespaced:
+            raise _ApiError(404, "the server could not find the requested resource")
+        if len(rest) == 1:
+            return self._dra_collection(method, resource, namespace, query, body)
+        key = (namespace or "", rest[1])
+        if len(rest) == 3:
+            if rest[2] != "status" or resource != "resourceclaims":
+                raise _ApiError(404, "the server could not find the requested resource")
+            return self._dra_status(method, resource, key, ctype, body)
+        if method == "GET":
+            obj = self._get(resource, key)
+            if obj is None:
+                raise _ApiError(404, f'{resource} "{key[1]}" not found', name=key[1], kind=kind)
+            return 200, obj
+        if method == "PUT":
+            return 200, self._dra_replace(resource, key, _json_body(body), status=False)
+        if method == "PATCH":
+            if resource == "resourceclaims":
+                # the status subresource is written through /status only
+                with self._cond:
+                    cur = self._store[resource].get(key)
+                    status = copy.deepcopy(cur.get("status")) if cur else None
+                patched = self._patch(resource, key, ctype, body)
+                if patched.get("status") != status:
+                    return 200, self._dra_replace(
+                        resource, key, {**patched, "status": status}, status=True
+                    )
+                return 200, patched
+            patched = self._patch(resource, key, ctype, body)
+            if resource == "resourceslices":
+                _check_slice(patched)
+            return 200, patched
+        if method == "DELETE":
+            obj = self._get(resource, key)
+            if obj is None:
+                raise _ApiError(404, f'{resource} "{key[1]}" not found', name=key[1], kind=kind)
+            self._delete(resource, key)
+            return 200, obj
+        raise _ApiError(405, f"{method} is not supported on {resource}")
+
+    def _dra_collection(
+        self,
+        method: str,
+        resource: str,
+        namespace: str | None,
+        query: dict[str, str],
+        body: bytes,
+    ) -> tuple[int, JSON] | _WatchState:
+        if method == "GET":
+            if query.get("watch", "").lower() in ("true", "1"):
+                return self._open_watch(resource, namespace, query)
+            return 200, self._list_response(resource, namespace, query)
+        if method == "POST":
+            obj = _json_body(body)
+            kind = _DRA_RESOURCES[resource][0]
+            if obj.get("kind", kind) != kind or obj.get("apiVersion", DRA_GROUP_VERSION) != (
+                DRA_GROUP_VERSION
+            ):
+                raise _ApiError(400, f"expected {DRA_GROUP_VERSION} {kind} in the body")
+            meta = obj.setdefault("metadata", {})
+            if not isinstance(meta, dict):
+                raise _ApiError(422, "metadata must be an object")
+            if namespace is not None:
+                meta["namespace"] = namespace
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:5]}"
+            for pinned in ("uid", "resourceVersion", "creationTimestamp"):
+                meta.pop(pinned, None)
+            if resource == "resourceslices":
+                _check_slice(obj)
+            obj.pop("status", None)  # status is written through the subresource
+            try:
+                return 201, self._add(resource, obj)
+            except ValueError as err:
+                code = 409 if "already exists" in str(err) else 422
+                raise _ApiError(code, str(err), "AlreadyExists" if code == 409 else None) from None
+        if method == "DELETE":  # deletecollection, by field and label selector
+            selector = self._selector(resource, namespace, query)
+            with self._cond:
+                keys = [k for k, o in self._store[resource].items() if selector.matches(o)]
+                for key in keys:
+                    self._delete(resource, key)
+            return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
+        raise _ApiError(405, f"{method} is not supported on a {resource} collection")
+
+    def _dra_replace(self, resource: str, key: tuple[str, str], obj: JSON, *, status: bool) -> JSON:
+        """PUT: the whole object (status kept) or, with ``status``, the status only."""
+        meta = obj.get("metadata")
+        if not isinstance(meta, dict):
+            raise _ApiError(422, "metadata must be an object")
+        if meta.get("name", key[1]) != key[1]:
+            raise _ApiError(400, "the name in the body does not match the URL")
+        if resource == "resourceslices":
+            _check_slice(obj)
+        with self._cond:
+            cur = self._store[resource].get(key)
+            if cur is None:
+                raise _ApiError(404, f'{resource} "{key[1]}" not found', name=key[1], kind=resource)
+            wanted = meta.get("resourceVersion")
+            if wanted and wanted != cur["metadata"]["resourceVersion"]:
+                raise _ApiError(
+                    409,
+                    f'Operation cannot be fulfilled on {resource} "{key[1]}": the object has '
+                    "been modified; please apply your changes to the latest version and try again",
+                    name=key[1],
+                    kind=resource,
+                )
+            new = copy.deepcopy(cur)
+            if status:
+                if obj.get("status") is None:
+                    new.pop("status", None)
+                else:
+                    new["status"] = copy.deepcopy(obj["status"])
+            else:
+                kept = new.get("status")
+                new = copy.deepcopy(obj)
+                if kept is not None:
+                    new["status"] = kept
+                else:
+                    new.pop("status", None)
+            return self._commit(resource, key, cur, new)
+
+    def _dra_status(
+        self, method: str, resource: str, key: tuple[str, str], ctype: str, body: bytes
+    ) -> tuple[int, JSON]:
+        if method == "GET":
+            obj = self._get(resource, key)
+            if obj is None:
+                raise _ApiError(404, f'{resource} "{key[1]}" not found', name=key[1])
+            return 200, obj
+        if method == "PUT":
+            return 200, self._dra_replace(resource, key, _json_body(body), status=True)
+        if method == "PATCH":
+            with self._cond:
+                cur = self._store[resource].get(key)
+                if cur is None:
+                    raise _ApiError(404, f'{resource} "{key[1]}" not found', name=key[1])
+                spec = copy.deepcopy(cur.get("spec"))
+            patched = self._patch(resource, key, ctype, body)
+            if patched.get("spec") != spec:  # only the status may change here
+                return 200, self._dra_replace(
+                    resource, key, {**patched, "spec": spec}, status=False
+                )
+            return 200, patched
+        raise _ApiError(405, f"{method} is not supported on {resource}/status")
+
     def _selector(self, resource: str, namespace: str | None, query: dict[str, str]) -> _Selector:
         return _Selector(
             namespace=namespace,
@@ -882,8 +1114,8 @@ class FakeApiServer:
             item.pop("kind", None)
             item.pop("apiVersion", None)
         return {
-            "kind": f"{_RESOURCES[resource][0]}List",
-            "apiVersion": "v1",
+            "kind": f"{_ALL_RESOURCES[resource][0]}List",
+            "apiVersion": _api_version(resource),
             "metadata": {"resourceVersion": str(rv)},
             "items": items,
         }
@@ -1010,7 +1242,7 @@ class FakeApiServer:
             yield state.initial
         if state.finished:
             return
-        kind = _RESOURCES[state.resource][0]
+        kind = _ALL_RESOURCES[state.resource][0]
         while True:
             with self._cond:
                 while True:
@@ -1032,7 +1264,11 @@ class FakeApiServer:
                         out = [
                             {
                                 "type": "BOOKMARK",
-                                "object": {"kind": kind, "apiVersion": "v1", "metadata": meta},
+                                "object": {
+                                    "kind": kind,
+                                    "apiVersion": _api_version(state.resource),
+                                    "metadata": meta,
+                                },
                             }
                         ]
                         break
@@ -1046,6 +1282,124 @@ class FakeApiServer:
             yield out
             if state.finished:
                 return
+
+
+# --------------------------------------------------------------------------- resource.k8s.io
+
+
+def _dra_group() -> JSON:
+    version = {"groupVersion": DRA_GROUP_VERSION, "version": "v1"}
+    return {
+        "kind": "APIGroup",
+        "apiVersion": "v1",
+        "name": DRA_GROUP,
+        "versions": [version],
+        "preferredVersion": version,
+    }
+
+
+def _dra_resource_list() -> JSON:
+    resources: list[JSON] = []
+    for resource, (kind, namespaced) in _DRA_RESOURCES.items():
+        resources.append(
+            {
+                "name": resource,
+                "singularName": kind.lower(),
+                "namespaced": namespaced,
+                "kind": kind,
+                "verbs": [
+                    "create",
+                    "delete",
+                    "deletecollection",
+                    "get",
+                    "list",
+                    "patch",
+                    "update",
+                    "watch",
+                ],
+            }
+        )
+    resources.append(
+        {
+            "name": "resourceclaims/status",
+            "singularName": "",
+            "namespaced": True,
+            "kind": "ResourceClaim",
+            "verbs": ["get", "patch", "update"],
+        }
+    )
+    return {
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": DRA_GROUP_VERSION,
+        "resources": resources,
+    }
+
+
+def _json_body(body: bytes) -> JSON:
+    try:
+        obj = json.loads(body or b"null")
+    except ValueError as err:
+        raise _ApiError(400, f"invalid JSON body: {err}") from None
+    if not isinstance(obj, dict):
+        raise _ApiError(400, "the body must be a JSON object")
+    return obj
+
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_ATTRIBUTE_TYPES = ("bool", "int", "string", "version")
+_NODE_SELECTION = ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection")
+
+
+def _check_slice(obj: JSON) -> None:
+    """The API server's validation of a ResourceSlice that vgpu relies on (422 if not)."""
+    # Imported here: the pure core, not an SDK; the rest of the fake is stdlib only.
+    from vgpu.core.dra import CapacityRule
+    from vgpu.core.errors import InvalidRequest
+
+    problems: list[str] = []
+    spec = obj.get("spec")
+    if not isinstance(spec, dict):
+        raise _ApiError(422, "ResourceSlice.spec: Required value")
+    if not spec.get("driver"):
+        problems.append("spec.driver: Required value")
+    pool = spec.get("pool") or {}
+    if not pool.get("name"):
+        problems.append("spec.pool.name: Required value")
+    if not isinstance(pool.get("generation"), int) or pool["generation"] < 0:
+        problems.append("spec.pool.generation: must be >= 0")
+    if not isinstance(pool.get("resourceSliceCount"), int) or pool["resourceSliceCount"] < 1:
+        problems.append("spec.pool.resourceSliceCount: must be greater than zero")
+    if sum(1 for k in _NODE_SELECTION if spec.get(k)) != 1:
+        problems.append(f"spec: exactly one of {', '.join(_NODE_SELECTION)} is required")
+    devices = spec.get("devices") or []
+    if len(devices) > 128:
+        problems.append("spec.devices: Too many: must have at most 128 items")
+    names: set[str] = set()
+    for i, device in enumerate(devices):
+        where = f"spec.devices[{i}]"
+        name = str(device.get("name", ""))
+        if not _DNS_LABEL.match(name):
+            problems.append(f"{where}.name: Invalid value: {name!r}: must be a DNS label")
+        if name in names:
+            problems.append(f"{where}.name: Duplicate value: {name!r}")
+        names.add(name)
+        attributes = device.get("attributes") or {}
+        capacity = device.get("capacity") or {}
+        if len(attributes) + len(capacity) > 32:
+            problems.append(f"{where}: at most 32 attributes and capacities combined")
+        for key, value in attributes.items():
+            set_types = [t for t in _ATTRIBUTE_TYPES if isinstance(value, dict) and t in value]
+            if len(set_types) != 1:
+                problems.append(f"{where}.attributes[{key}]: exactly one value must be set")
+        for key, raw in capacity.items():
+            try:
+                errors = CapacityRule.from_json(raw).errors()
+            except InvalidRequest as exc:
+                errors = [exc.message]
+            problems += [f"{where}.capacity[{key}].requestPolicy: {e}" for e in errors]
+    if problems:
+        raise _ApiError(422, f"ResourceSlice is invalid: {'; '.join(problems)}")
 
 
 # --------------------------------------------------------------------------- helpers

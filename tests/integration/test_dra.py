@@ -1,0 +1,409 @@
+"""DRA mode end to end: the real daemon (`vgpu serve --mode dra`) as a
+subprocess, the DRA kubelet stand-in over real gRPC, the fake API server over
+real HTTP through the official client, and the scheduler stand-in."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+import pytest
+
+from tests.conftest import MockGpusFile, cards
+from vgpu.cli.status import collect
+from vgpu.sim.draharness import DraSimNode
+from vgpu.sim.harness import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+DRIVER = "vgpu.vendor.io"
+CONTROL = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+
+
+class Factory(Protocol):
+    def __call__(
+        self,
+        gpus: str | Path = "preset:2xH200",
+        *,
+        wipe_delay_s: float | None = 30.0,
+        hook: bool = True,
+    ) -> DraSimNode: ...
+
+
+@pytest.fixture
+def make_dra(short_tmp: Path) -> Iterator[Factory]:
+    nodes: list[DraSimNode] = []
+
+    def factory(
+        gpus: str | Path = "preset:2xH200", *, wipe_delay_s: float | None = 30.0, hook: bool = True
+    ) -> DraSimNode:
+        root = short_tmp / f"d{len(nodes)}"
+        root.mkdir()
+        args: list[str] = []
+        if hook:
+            library = root / "libvgpu.so"
+            library.write_bytes(b"\x7fELF stand-in hook library")
+            args = ["--hook-library", str(library), "--hook-dir", str(root / "hook")]
+        node = DraSimNode(root, gpus=gpus, daemon_args=args, wipe_delay_s=wipe_delay_s)
+        nodes.append(node)
+        node.start(timeout_s=15.0)
+        return node
+
+    yield factory
+    problems = []
+    for node in nodes:
+        alive = node.proc is not None and node.proc.poll() is None
+        rc = node.stop_daemon(signal.SIGTERM, timeout_s=5.0) if alive else None
+        if alive and rc != 0:
+            problems.append(f"DRA driver exited {rc} on SIGTERM:\n{node.log()[-3000:]}")
+        if alive and any(node.registry_dir.glob("*.sock")):
+            problems.append("the registration socket outlived SIGTERM")
+        node.close()
+        if "Traceback" in node.log():
+            problems.append(f"traceback in the driver log:\n{node.log()[-4000:]}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.fixture
+def dra(make_dra: Factory) -> DraSimNode:
+    return make_dra()
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+
+
+def _records(dra: DraSimNode) -> list[str]:
+    """Committed claim records (not a write in flight)."""
+    return [n for n in _files(dra.state_dir / "dra" / "claims") if not n.startswith(".")]
+
+
+def _config(node: DraSimNode, edits: Any) -> dict[str, Any]:
+    host = Path(edits.mounts["/etc/vgpu"]["hostPath"])
+    return dict(json.loads((host / "config.json").read_text()))
+
+
+# ------------------------------------------------------------------ registration, slices
+
+
+def test_registers_with_the_plugin_watcher_and_publishes_one_slice(dra: DraSimNode) -> None:
+    registration = dra.kubelet.plugins[DRIVER]
+    assert registration.endpoint == str(dra.plugin_dir / "dra.sock")
+    assert registration.versions == ("v1.DRAPlugin",)
+    assert Path(registration.socket).name == f"{DRIVER}-reg.sock"
+    assert dra.kubelet.refused == []
+    found = dra.slice()
+    assert found is not None
+    spec = found["spec"]
+    assert spec["driver"] == DRIVER and spec["nodeName"] == dra.node
+    assert spec["pool"]["name"] == dra.node and spec["pool"]["resourceSliceCount"] == 1
+    assert dra.published() == ["gpu-0", "gpu-1"]
+    memory = spec["devices"][0]["capacity"]["memory"]
+    assert memory["value"] == "143616Mi"
+    assert memory["requestPolicy"]["validRange"] == {
+        "min": "256Mi",
+        "max": "143616Mi",
+        "step": "256Mi",
+    }
+
+
+# ------------------------------------------------------------------ prepare / unprepare
+
+
+def test_prepared_claims_carry_the_limits_the_scheduler_allocated(make_dra: Factory) -> None:
+    dra = make_dra("preset:3xH200")
+    dra.claim("slice", {"cores": "30", "memory": "10Gi"})
+    dra.claim("whole", {"cores": "100"})
+    dra.claim("cores-only", {"cores": "20"})
+    run = dra.run_pod("p1", ["slice", "whole", "cores-only"])
+    assert run.ok, run.reply
+    allocations = {
+        c["metadata"]["name"]: c["status"]["allocation"]["devices"]["results"][0]
+        for c in dra.api.objects("resourceclaims")
+    }
+    for _, uid, name in run.claims:
+        (device,) = run.reply.claims[uid].devices
+        assert device.request_names == ["gpu"] and device.pool_name == dra.node
+        assert device.device_name == allocations[name]["device"]
+        assert device.share_id == allocations[name]["shareID"]
+        (cdi_id,) = device.cdi_device_ids
+        assert cdi_id.startswith("vendor.io/vgpu=") and uid in cdi_id
+
+    fractional = run.edits["slice"]
+    assert fractional.env["VGPU_CORE_LIMIT"] == "30"
+    assert fractional.env["VGPU_MEMORY_LIMIT_MIB"] == "10240"
+    assert fractional.env["LD_PRELOAD"].startswith("/usr/local/vgpu/libvgpu-")
+    assert fractional.mounts["/etc/vgpu"]["options"][0] == "ro"
+    assert fractional.mounts["/var/run/vgpu"]["options"][0] == "rw"
+    assert fractional.mounts[fractional.env["LD_PRELOAD"]]["options"][0] == "ro"
+    minor = allocations["slice"]["device"].removeprefix("gpu-")
+    assert list(fractional.device_nodes) == [f"/dev/nvidia{minor}", *CONTROL]
+    config = _config(dra, fractional)
+    assert (config["core_percent"], config["memory_limit_mib"]) == (30, 10240)
+    assert config["cards"] == [fractional.env["NVIDIA_VISIBLE_DEVICES"]]
+
+    whole = run.edits["whole"]
+    assert "VGPU_CORE_LIMIT" not in whole.env and "VGPU_MEMORY_LIMIT_MIB" not in whole.env
+    assert "LD_PRELOAD" not in whole.env
+    assert _config(dra, whole)["whole_cards"] is True
+
+    # cores only: the memory default (the whole card's) is what it consumed
+    assert run.edits["cores-only"].env["VGPU_CORE_LIMIT"] == "20"
+    assert run.edits["cores-only"].env["VGPU_MEMORY_LIMIT_MIB"] == "143616"
+
+    spec_files = _files(dra.cdi_dir)
+    assert len(spec_files) == 3
+    spec = json.loads((dra.cdi_dir / spec_files[0]).read_text())
+    assert spec["kind"] == "vendor.io/vgpu" and spec["cdiVersion"]
+
+
+def test_prepare_is_idempotent_and_unprepare_removes_everything(dra: DraSimNode) -> None:
+    dra.claim("c", {"cores": "10", "memory": "1Gi"})
+    run = dra.run_pod("p", ["c"])
+    assert run.ok
+    spec_file = next(dra.cdi_dir.iterdir())
+    stamp = spec_file.stat().st_mtime_ns
+    again = dra.kubelet.prepare(DRIVER, run.claims)
+    assert again == run.reply
+    assert spec_file.stat().st_mtime_ns == stamp  # nothing rewritten
+    containers = dra.state_dir / "dra" / "containers"
+    assert len(_files(containers)) == 1
+
+    reply = dra.end_pod(run)
+    assert reply.claims[run.claims[0][1]].error == ""
+    assert _files(dra.cdi_dir) == []
+    assert [f for f in _files(containers) if not f.startswith(".")] == []
+    assert _files(dra.state_dir / "dra" / "claims") == []
+    twice = dra.kubelet.unprepare(DRIVER, run.claims)  # idempotent
+    unknown = dra.kubelet.unprepare(DRIVER, [("default", "0000-unknown", "nope")])
+    assert twice.claims[run.claims[0][1]].error == "" and unknown.claims["0000-unknown"].error == ""
+
+
+def _allocate_by_hand(dra: DraSimNode, name: str, results: list[dict[str, Any]]) -> str:
+    stored = dra.claim(name)
+
+    def write(obj: dict[str, Any]) -> None:
+        obj["status"] = {"allocation": {"devices": {"results": results}}}
+
+    dra.api.update_object("resourceclaims", name, write, "default")
+    return str(stored["metadata"]["uid"])
+
+
+def test_hostile_claims_get_their_own_errors_and_the_rest_is_prepared(dra: DraSimNode) -> None:
+    mine = {"request": "gpu", "driver": DRIVER, "pool": dra.node}
+    claims = {
+        "other-driver": _allocate_by_hand(
+            dra, "other-driver", [{**mine, "driver": "other.example.com", "device": "gpu-0"}]
+        ),
+        "unknown-device": _allocate_by_hand(
+            dra, "unknown-device", [{**mine, "device": "gpu-7", "consumedCapacity": {"cores": "1"}}]
+        ),
+        "other-pool": _allocate_by_hand(
+            dra, "other-pool", [{**mine, "pool": "n9", "device": "gpu-0"}]
+        ),
+        "off-grid": _allocate_by_hand(
+            dra,
+            "off-grid",
+            [{**mine, "device": "gpu-0", "consumedCapacity": {"cores": "5", "memory": "100Mi"}}],
+        ),
+        "unallocated": str(dra.claim("unallocated")["metadata"]["uid"]),
+    }
+    good = _allocate_by_hand(
+        dra,
+        "good",
+        [{**mine, "device": "gpu-1", "consumedCapacity": {"cores": "5", "memory": "1Gi"}}],
+    )
+    refs = [("default", uid, name) for name, uid in claims.items()]
+    refs += [
+        ("default", "11111111-2222-3333-4444-555555555555", "good"),  # a UID that is not its own
+        ("default", "22222222-2222-3333-4444-555555555555", "never-created"),
+        ("default", "../../etc/passwd", "good"),
+        ("default", good, "good"),
+    ]
+    reply = dra.kubelet.prepare(DRIVER, refs)
+    errors = {name: reply.claims[uid].error for _, uid, name in refs[:5]}
+    assert "no device of driver vgpu.vendor.io" in errors["other-driver"]
+    assert "does not have" in errors["unknown-device"]
+    assert "another node" in errors["other-pool"]
+    assert "cannot give" in errors["off-grid"]
+    assert "has no allocation" in errors["unallocated"]
+    assert "deleted and re-created" in reply.claims["11111111-2222-3333-4444-555555555555"].error
+    assert "does not exist" in reply.claims["22222222-2222-3333-4444-555555555555"].error
+    assert "not a Kubernetes UID" in reply.claims["../../etc/passwd"].error
+    assert reply.claims[good].error == "" and len(reply.claims[good].devices) == 1
+    assert len(_files(dra.cdi_dir)) == 1  # only the good claim has files
+    # a claim without a UID or with an overlong name is its own error too
+    odd = dra.kubelet.prepare(
+        DRIVER,
+        [("default", "", "no-uid"), ("default", "u-2", "x" * 300), ("default", good, "good")],
+    )
+    assert "not a Kubernetes UID" in odd.claims[""].error
+    assert "at most 253" in odd.claims["u-2"].error and odd.claims[good].error == ""
+    # only a call no kubelet makes fails as a whole, and the driver keeps serving
+    with pytest.raises(grpc.RpcError) as info:
+        dra.kubelet.prepare(DRIVER, [("default", f"u-{i}", "c") for i in range(1025)])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dra.kubelet.prepare(DRIVER, [("default", good, "good")]).claims[good].error == ""
+
+
+# ------------------------------------------------------------------ health
+
+
+def _time_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> float:
+    started = time.monotonic()
+    assert wait_until(predicate, timeout_s, 0.01), "condition not met in time"
+    return time.monotonic() - started
+
+
+def test_a_sick_card_leaves_the_slice_within_two_seconds(
+    make_dra: Factory, mock_gpus_file: MockGpusFile
+) -> None:
+    gpus = cards(2)
+    path = mock_gpus_file(gpus)
+    dra = make_dra(path)
+    generation = dra.slice()["spec"]["pool"]["generation"]  # type: ignore[index]
+    dra.claim("early", {"cores": "10", "memory": "1Gi"})
+    dra.allocator.allocate("default", "early", node=dra.node)  # on gpu-0, before it falls ill
+    mock_gpus_file([{**gpus[0], "xid": 79}, gpus[1]])
+    assert _time_until(lambda: dra.published() == ["gpu-1"]) < 2.0
+    after = dra.slice()["spec"]["pool"]["generation"]  # type: ignore[index]
+    assert after > generation
+    early = dra.api.get_object("resourceclaims", "early", "default")
+    assert early is not None
+    reply = dra.kubelet.prepare(DRIVER, [("default", early["metadata"]["uid"], "early")])
+    assert "unhealthy (XID 79)" in reply.claims[early["metadata"]["uid"]].error
+    mock_gpus_file(gpus)  # healthy again
+    assert _time_until(lambda: dra.published() == ["gpu-0", "gpu-1"]) < 2.0
+    mock_gpus_file([gpus[0]])  # gpu-1 gone
+    assert _time_until(lambda: dra.published() == ["gpu-0"]) < 2.0
+    assert dra.slice()["spec"]["pool"]["generation"] > after  # type: ignore[index]
+
+
+def test_the_slice_comes_back_after_a_kubelet_restart_and_a_wipe(make_dra: Factory) -> None:
+    dra = make_dra(wipe_delay_s=0.3)
+    registrations = dra.kubelet.registrations(DRIVER)
+    dra.kubelet.restart()  # deletes the node's slices, re-registers the plugin
+    assert _time_until(lambda: dra.kubelet.registrations(DRIVER) > registrations) < 2.0
+    assert _time_until(lambda: dra.published() == ["gpu-0", "gpu-1"]) < 2.0
+    # a removed registration socket is served again
+    before = dra.kubelet.registrations(DRIVER)
+    next(dra.registry_dir.glob("*.sock")).unlink()
+    assert _time_until(lambda: dra.kubelet.registrations(DRIVER) > before) < 2.0
+    # stopped: sockets go, the slice stays until the kubelet wipes it
+    assert dra.stop_daemon() == 0
+    assert (
+        list(dra.registry_dir.glob("*.sock")) == [] and not (dra.plugin_dir / "dra.sock").exists()
+    )
+    assert _time_until(lambda: dra.slice() is None) < 2.0
+    dra.start_daemon()
+    assert dra.published() == ["gpu-0", "gpu-1"]
+
+
+# ------------------------------------------------------------------ crashes
+
+
+def test_kill_9_then_restart_repairs_sweeps_and_unprepares(dra: DraSimNode) -> None:
+    for name in ("a", "b"):
+        dra.claim(name, {"cores": "10", "memory": "1Gi"})
+    run = dra.run_pod("p", ["a", "b"])
+    assert run.ok
+    uid_a = run.claims[0][1]
+    spec_a = dra.cdi_dir / f"vendor.io-vgpu_{uid_a}.json"
+    written = spec_a.read_text()
+    dra.stop_daemon(signal.SIGKILL)
+    # the state of a crash after a's record, before its files (a reboot also
+    # empties /var/run/cdi), plus leftovers no record names
+    spec_a.unlink()
+    config_a = Path(run.edits["a"].mounts["/etc/vgpu"]["hostPath"])
+    for item in config_a.rglob("*"):
+        if item.is_file():
+            item.unlink()
+    orphan_dir = dra.state_dir / "dra" / "containers" / "orphan-0000"
+    orphan_dir.mkdir()
+    (dra.cdi_dir / "vendor.io-vgpu_orphan.json").write_text("{}")
+    (dra.state_dir / "dra" / "claims" / ".x.json.123.tmp").write_text("half")
+    dra.start_daemon()
+    assert spec_a.read_text() == written
+    assert (config_a / "config.json").exists()
+    assert not orphan_dir.exists() and not (dra.cdi_dir / "vendor.io-vgpu_orphan.json").exists()
+    assert _files(dra.state_dir / "dra" / "claims") == sorted(f"{u}.json" for _, u, _ in run.claims)
+    assert dra.kubelet.prepare(DRIVER, run.claims) == run.reply  # recovered, same answer
+    assert dra.end_pod(run).claims[uid_a].error == ""
+    assert _files(dra.cdi_dir) == []
+
+
+def test_kill_9_during_prepares_leaves_every_claim_whole_or_absent(dra: DraSimNode) -> None:
+    names = [f"k{i}" for i in range(16)]
+    refs = []
+    for name in names:
+        uid = dra.claim(name, {"cores": "1", "memory": "256Mi"})["metadata"]["uid"]
+        dra.allocator.allocate("default", name, pod=("p", "u"), node=dra.node)
+        refs.append(("default", str(uid), name))
+    done = threading.Event()
+
+    def hammer() -> None:
+        for ref in refs:
+            try:
+                dra.kubelet.prepare(DRIVER, [ref])
+            except grpc.RpcError:
+                break
+        done.set()
+
+    threading.Thread(target=hammer, daemon=True).start()
+    assert wait_until(lambda: len(_records(dra)) >= 3, 10.0, 0.002)
+    dra.stop_daemon(signal.SIGKILL)
+    done.wait(10.0)
+    (dra.cdi_dir / ".vendor.io-vgpu_x.json.1.tmp").write_text("half")  # a write cut short
+    (dra.cdi_dir / ".other-vendor.json.1.tmp").write_text("not ours")
+    dra.start_daemon()
+    records = _files(dra.state_dir / "dra" / "claims")  # temp files swept: all committed
+    assert len(records) >= 3
+    specs = [n for n in _files(dra.cdi_dir) if n != ".other-vendor.json.1.tmp"]
+    assert specs == sorted(f"vendor.io-vgpu_{r.removesuffix('.json')}" + ".json" for r in records)
+    for spec in specs:
+        for device in json.loads((dra.cdi_dir / spec).read_text())["devices"]:
+            for mount in device["containerEdits"]["mounts"]:
+                assert Path(mount["hostPath"]).exists(), mount
+    reply = dra.kubelet.unprepare(DRIVER, refs)
+    assert all(r.error == "" for r in reply.claims.values())
+    assert _files(dra.cdi_dir) == [".other-vendor.json.1.tmp"]  # another vendor's file stays
+    assert _files(dra.state_dir / "dra" / "claims") == []
+
+
+# ------------------------------------------------------------------ status
+
+
+def test_status_lists_dra_claims(dra: DraSimNode) -> None:
+    dra.claim("nb", {"cores": "30", "memory": "10Gi"})
+    dra.claim("tr", {"cores": "100"})
+    assert dra.run_pod("notebook", ["nb"]).ok and dra.run_pod("trainer", ["tr"]).ok
+    doc = collect(dra.state_dir)
+    rows = {c["claim"]["name"]: c for c in doc["containers"]}
+    assert rows["nb"]["pod"] == "notebook" and rows["nb"]["claim"]["request"] == "gpu"
+    assert (rows["nb"]["core"], rows["nb"]["memory_mib"], rows["nb"]["whole_cards"]) == (
+        30,
+        10240,
+        False,
+    )
+    assert rows["tr"]["whole_cards"] is True and rows["tr"]["pod"] == "trainer"
+    by_card = {c["uuid"]: c for c in doc["cards"]}
+    assert by_card[rows["nb"]["cards"][0]]["core_allocated"] == 30
+    assert by_card[rows["tr"]["cards"][0]]["core_allocated"] == 100
+    table = subprocess.run(
+        [sys.executable, "-m", "vgpu", "status", "--state-dir", str(dra.state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in os.environ.items() if k != "NO_COLOR"},
+        check=True,
+    ).stdout
+    assert "default/notebook claim nb" in table and "core 30%" in table
+    assert "default/trainer claim tr" in table and "whole card" in table

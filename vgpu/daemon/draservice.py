@@ -1,0 +1,391 @@
+"""The DRA service: cards and health in, the node's ResourceSlice out; prepared
+claims (limit configs, CDI specs, records) for the kubelet's DRA calls.
+
+It implements the DRA edge's DraCore port. Prepare reads the claim (cache,
+then the API) without the lock, then decides and writes under it: the claim
+record first, then the limit configs and the CDI spec, so a crash at any point
+leaves a record to finish from (the next prepare, or start-up) or to undo.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vgpu.adapters.dra.cdi import CdiDir, spec_document
+from vgpu.adapters.dra.kube import ClaimLookupError, ClaimSource, SlicePort
+from vgpu.adapters.dra.plugin import Prepared
+from vgpu.adapters.dra.state import ClaimRecord, ClaimStore, sweep_temp_files
+from vgpu.adapters.fs import ContainerStore
+from vgpu.adapters.gpus import CardReading
+from vgpu.adapters.nodefile import node_document, write_node_file
+from vgpu.core.contract import ContainerEdits, container_edits
+from vgpu.core.dra import (
+    AllocatedDevice,
+    ClaimRef,
+    ClaimView,
+    Grant,
+    PreparedDevice,
+    allocation_signature,
+    cdi_device_names,
+    claim_key,
+    claim_view,
+    device_name,
+    driver_name,
+    grants,
+    slice_devices,
+)
+from vgpu.core.errors import InvalidRequest, VgpuError
+from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
+from vgpu.core.model import Card, CardUuid, Placement
+
+log = logging.getLogger("vgpu")
+
+
+@dataclass(frozen=True)
+class DraOptions:
+    domain: str
+    node: str
+    memory_unit_mib: int
+    ignored_xids: tuple[int, ...]
+    hook_path: Path | None = None
+
+    @property
+    def driver(self) -> str:
+        return driver_name(self.domain)
+
+
+class DraService:
+    def __init__(
+        self,
+        options: DraOptions,
+        store: ContainerStore,
+        records: ClaimStore,
+        cdi: CdiDir,
+        claims: ClaimSource,
+        slices: SlicePort,
+        node_file: Path | None = None,
+        clock: Callable[[], float] = time.time,
+        events: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.options = options
+        self.store = store
+        self.records = records
+        self.cdi = cdi
+        self.claims = claims
+        self.slices = slices
+        self.node_file = node_file
+        self.clock = clock
+        self.events = events or (lambda kind, fields: None)
+        self.tracker = HealthTracker(options.ignored_xids)
+        self.cards: dict[CardUuid, Card] = {}
+        self.prepared: dict[str, ClaimRecord] = {}
+        self.readings: dict[CardUuid, CardReading] = {}
+        self._lock = threading.RLock()  # cards, prepared, the lock table: never held for I/O
+        self._claim_locks: dict[str, threading.Lock] = {}
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prepare")
+
+    # ------------------------------------------------------------ cards
+
+    def set_cards(self, cards: Sequence[Card]) -> None:
+        with self._lock:
+            before = self.cards
+            self.cards = {c.uuid: self.tracker.judge(c) for c in cards}
+            for card in self.cards.values():
+                self._log_health(before.get(card.uuid), card)
+            for uuid in set(before) - set(self.cards):
+                log.error("card %s disappeared; its device leaves the ResourceSlice", uuid)
+                self.events("card_gone", {"card": uuid})
+            self._publish()
+
+    def on_event(self, event: HealthEvent) -> None:
+        with self._lock:
+            card = self.cards.get(event.card)
+            if card is None:
+                return
+            updated = self.tracker.apply(card, event)
+            if updated is card:
+                return
+            self.cards = {**self.cards, card.uuid: updated}
+            self._log_health(card, updated)
+            self._publish()
+
+    def _log_health(self, before: Card | None, after: Card) -> None:
+        if before is None or before.healthy == after.healthy:
+            return
+        if after.healthy:
+            log.info(
+                "card %s (%s) is healthy again, published again", after.uuid, device_name(after)
+            )
+            self.events("card_healthy", {"card": after.uuid})
+        else:
+            why = f"XID {after.xid} ({describe_xid(after.xid)})" if after.xid else "unhealthy"
+            log.error(
+                "card %s (%s) unhealthy: %s; it leaves the ResourceSlice; claims on it: %s",
+                after.uuid,
+                device_name(after),
+                why,
+                ", ".join(self._claims_on(after.uuid)) or "none",
+            )
+            self.events("card_unhealthy", {"card": after.uuid, "xid": after.xid})
+
+    def _claims_on(self, uuid: CardUuid) -> list[str]:
+        return [
+            r.claim.shown
+            for r in self.prepared.values()
+            if any(uuid in p.cards for p in r.placements)
+        ]
+
+    def _publish(self) -> None:
+        devices = slice_devices(list(self.cards.values()), self.options.memory_unit_mib)
+        self.slices.publish(devices)
+        self._write_node_file()
+
+    def set_readings(self, readings: dict[CardUuid, CardReading]) -> None:
+        with self._lock:
+            if readings == self.readings:
+                return
+            self.readings = dict(readings)
+            self._write_node_file()
+
+    def _write_node_file(self) -> None:
+        if self.node_file is None:
+            return
+        document = node_document(
+            self.cards.values(),
+            self.readings,
+            domain=self.options.domain,
+            memory_unit_mib=self.options.memory_unit_mib,
+            now_s=self.clock(),
+            extra={"mode": "dra", "driver": self.options.driver},
+        )
+        write_node_file(self.node_file, document)
+
+    # ---------------------------------------------------------- prepare
+
+    def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
+        """Each claim on its own (a pod's claims in parallel: their files are
+        disjoint, and most of the time goes to fsync, which frees the GIL)."""
+        unique = list({ref.uid: ref for ref in claims}.values())
+        if len(unique) == 1:
+            return {unique[0].uid: self._answer(unique[0])}
+        return dict(zip([r.uid for r in unique], self._pool.map(self._answer, unique), strict=True))
+
+    def _answer(self, ref: ClaimRef) -> Prepared:
+        try:
+            ref.check()
+            return Prepared(devices=self._prepare_one(ref))
+        except VgpuError as exc:
+            return self._refuse(ref, exc.message)
+        except ClaimLookupError as exc:
+            return self._refuse(ref, str(exc))
+        except OSError as exc:
+            return self._refuse(
+                ref,
+                f"cannot write the claim's files ({exc.strerror or exc}); check the state "
+                f"directory and {self.cdi.directory} on this node",
+            )
+
+    def _claim_lock(self, uid: str) -> threading.Lock:
+        """One lock per claim: its prepare and unprepare never overlap."""
+        with self._lock:
+            lock = self._claim_locks.get(uid)
+            if lock is None:
+                lock = self._claim_locks[uid] = threading.Lock()
+            return lock
+
+    def _refuse(self, ref: ClaimRef, message: str) -> Prepared:
+        log.warning("cannot prepare claim %s (%s): %s", ref.shown, ref.uid[:64], message)
+        self.events("prepare_error", {"claim": ref.uid})
+        return Prepared(error=message)
+
+    def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
+        view = claim_view(self.claims.get(ref.namespace, ref.name, ref.uid))
+        mine = [r for r in view.results if r.driver == self.options.driver]
+        signature = allocation_signature(mine)
+        with self._claim_lock(ref.uid):
+            with self._lock:
+                known = self.prepared.get(ref.uid)
+                cards = {device_name(c): c for c in self.cards.values()}
+            if known is not None and known.signature == signature:
+                self._ensure_files(known)
+                return known.devices
+            given = grants(
+                view.results,
+                driver=self.options.driver,
+                pool=self.options.node,
+                cards=cards,
+                memory_unit_mib=self.options.memory_unit_mib,
+            )
+            for grant in given:
+                for card in grant.cards:
+                    if not card.healthy:
+                        why = f"XID {card.xid}" if card.xid else "reported unhealthy"
+                        raise InvalidRequest(
+                            f"request {grant.request!r} got {device_name(card)} ({card.uuid}), "
+                            f"which is unhealthy ({why}); delete the pod so that its claim is "
+                            "allocated on a healthy card"
+                        )
+            record = self._record(ref, view, mine, given, cards, signature)
+            if known is not None:  # allocated anew under the same UID: drop the old files
+                self._remove_files(known, keep=record)
+            self.records.write(record)  # first: a crash from here on leaves a record
+            self._write_files(record)
+            with self._lock:
+                self.prepared[ref.uid] = record
+        for grant in given:
+            log.info(
+                "prepared claim %s request %s for pod %s on %s: %s",
+                ref.shown,
+                grant.request,
+                ", ".join(name for name, _ in view.pods) or "(none yet)",
+                ",".join(device_name(c) for c in grant.cards),
+                "whole card"
+                if grant.whole
+                else f"core {grant.core_percent}%, memory {grant.memory_mib} MiB",
+            )
+        self.events("prepared", {"claim": ref.uid})
+        return record.devices
+
+    def _record(
+        self,
+        ref: ClaimRef,
+        view: ClaimView,
+        mine: list[AllocatedDevice],
+        given: list[Grant],
+        cards: Mapping[str, Card],
+        signature: str,
+    ) -> ClaimRecord:
+        now = self.clock()
+        placements: dict[str, Placement] = {}
+        for grant in given:
+            placements[grant.request] = Placement(
+                key=claim_key(ref.uid, grant.request),
+                cards=tuple(c.uuid for c in grant.cards),
+                ids={},
+                core_percent=grant.core_percent,
+                memory_mib=grant.memory_mib,
+                created_s=now,
+            )
+        hook = self.options.hook_path
+        edits: dict[str, ContainerEdits] = {}
+        devices = []
+        for result, name in zip(mine, cdi_device_names(ref.uid, mine), strict=True):
+            placement = placements[result.request]
+            paths = self.store.paths(placement.key)
+            edits[name] = container_edits(
+                placement,
+                [cards[result.device]],
+                config_dir=str(paths.config_dir),
+                shared_dir=str(paths.shared_dir),
+                hook_path=str(hook) if hook is not None else None,
+            )
+            devices.append(
+                PreparedDevice(
+                    request=result.request,
+                    pool=result.pool,
+                    device=result.device,
+                    cdi_ids=(self.cdi.qualified(name),),
+                    share_id=result.share_id,
+                )
+            )
+        return ClaimRecord(
+            claim=ref,
+            pods=view.pods,
+            signature=signature,
+            placements=tuple(placements.values()),
+            devices=tuple(devices),
+            cdi_file=self.cdi.file_name(ref.uid),
+            cdi_spec=spec_document(self.cdi.kind, edits),
+            created_s=now,
+        )
+
+    def _write_files(self, record: ClaimRecord) -> None:
+        for placement in record.placements:
+            self.store.write(placement)
+        self.cdi.write(record.cdi_file, record.cdi_spec)
+
+    def _ensure_files(self, record: ClaimRecord) -> None:
+        """Rewrite what a crash or a reboot (the CDI dir is often tmpfs) took away."""
+        for placement in record.placements:
+            if not self.store.paths(placement.key).config_file.exists():
+                self.store.write(placement)
+                log.warning(
+                    "re-created the limit config %s of claim %s", placement.key, record.claim.shown
+                )
+        if self.cdi.read(record.cdi_file) != record.cdi_spec:
+            self.cdi.write(record.cdi_file, record.cdi_spec)
+            log.warning("re-wrote the CDI spec %s of claim %s", record.cdi_file, record.claim.shown)
+
+    def _remove_files(self, record: ClaimRecord, keep: ClaimRecord | None = None) -> None:
+        kept = {p.key for p in keep.placements} if keep is not None else set()
+        if keep is None or keep.cdi_file != record.cdi_file:
+            self.cdi.remove(record.cdi_file)
+        for placement in record.placements:
+            if placement.key not in kept:
+                self.store.remove(placement.key)
+
+    # -------------------------------------------------------- unprepare
+
+    def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for ref in claims:
+            with self._claim_lock(ref.uid):
+                with self._lock:
+                    record = self.prepared.get(ref.uid)
+                if record is None:
+                    out[ref.uid] = ""  # never prepared here, or already undone
+                    continue
+                try:
+                    self._remove_files(record)
+                    self.records.remove(ref.uid)  # last: until here a retry finds the record
+                except OSError as exc:
+                    out[ref.uid] = f"cannot remove the claim's files: {exc.strerror or exc}"
+                    log.warning("cannot unprepare claim %s: %s", ref.shown, exc)
+                    continue
+                with self._lock:
+                    del self.prepared[ref.uid]
+                    self._claim_locks.pop(ref.uid, None)
+            out[ref.uid] = ""
+            log.info("unprepared claim %s (%s)", record.claim.shown, ref.uid)
+            self.events("unprepared", {"claim": ref.uid})
+        return out
+
+    # ---------------------------------------------------------- start-up
+
+    def recover(self) -> None:
+        """Load the prepared claims, finish or repair their files, sweep orphans."""
+        self.store.prepare()
+        sweep_temp_files(self.records.root)
+        sweep_temp_files(self.cdi.directory, self.cdi.prefix)
+        records, bad = self.records.load_all()
+        with self._lock:
+            for record in records:
+                self.prepared[record.claim.uid] = record
+                try:
+                    self._ensure_files(record)
+                except OSError as exc:
+                    log.warning("cannot repair claim %s: %s", record.claim.shown, exc)
+            keys = {p.key for r in records for p in r.placements}
+            for key in self.store.record_keys():
+                if key not in keys:
+                    self.store.remove(key)
+                    log.info("removed orphaned limit config %s", key)
+            files = {r.cdi_file for r in records}
+            for name in self.cdi.names():
+                if name not in files:
+                    self.cdi.remove(name)
+                    log.info("removed orphaned CDI spec %s", name)
+        log.info(
+            "recovered %d prepared claim(s) from %s (%d unreadable)",
+            len(records),
+            self.records.root,
+            len(bad),
+        )
+        self.events("recovery", {"claims": len(records), "unreadable": len(bad)})
