@@ -54,6 +54,7 @@ class Settings:
     hook_dir: Path = Path("/usr/local/vgpu")
     api_wait_s: float = 2.0
     reconcile_interval_s: float = 10.0
+    context_overhead_mib: int = 0
 
     def public(self) -> dict[str, Any]:
         """The effective settings as plain data (for the start-up log and `config`)."""
@@ -90,6 +91,9 @@ KEYS: dict[str, str] = {
     "hook_dir": "host directory the library is installed into and mounted from",
     "api_wait_s": "longest wait for a pod to appear in the API cache at admission (0-2)",
     "reconcile_interval_s": "how often to re-check the kubelet for finished pods (1-3600)",
+    "context_overhead_mib": (
+        "per-card CUDA context memory (MiB) the hook charges where NVML cannot measure it (0-65536)"
+    ),
 }
 _PATHS = {
     "mock_gpus",
@@ -148,6 +152,8 @@ def _convert(key: str, value: Any, source: str) -> Any:
         return _float(value, 0.0, 2.0, bad)
     if key == "reconcile_interval_s":
         return _float(value, 1.0, 3600.0, bad)
+    if key == "context_overhead_mib":
+        return _int(value, 0, 65536, bad)
     if key == "ignored_xids":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list | tuple):

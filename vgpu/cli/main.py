@@ -31,6 +31,7 @@ SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--hook-dir", {"metavar": "DIR", "help": "host dir for the hook (default /usr/local/vgpu)"}),
     ("--api-wait-s", {"metavar": "S", "help": "longest wait for pod info at admission"}),
     ("--reconcile-interval-s", {"metavar": "S", "help": "re-check period (default 10)"}),
+    ("--context-overhead-mib", {"metavar": "N", "help": "per-card context estimate (default 0)"}),
 ]
 
 

@@ -54,6 +54,7 @@ class ServiceOptions:
     ignored_xids: tuple[int, ...]
     api_wait_s: float
     hook_path: Path | None = None  # installed library on the host
+    context_overhead_mib: int = 0  # per-card context estimate passed to the hook
 
 
 class PluginService:
@@ -369,6 +370,7 @@ class PluginService:
             config_dir=str(paths.config_dir),
             shared_dir=str(paths.shared_dir),
             hook_path=str(hook) if hook is not None else None,
+            context_overhead_mib=self.options.context_overhead_mib,
         )
 
     def prestart(self, resource: Resource, device_ids: Sequence[str]) -> None:
