@@ -13,6 +13,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdint.h>
@@ -106,14 +107,28 @@ static inline int fake_alive(int32_t pid)
     return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH);
 }
 
+static struct fake_proc *fake_mine; /* this process's record, once found */
+
+static void fake_forget_mine(void)
+{
+    fake_mine = NULL; /* a forked child is another process */
+}
+
 /* This process's record (lock held): found, or a free/dead one taken. */
 static inline struct fake_proc *fake_me(struct fake_gpu *g)
 {
+    static int registered;
+    if (fake_mine)
+        return fake_mine;
+    if (!registered) {
+        registered = 1;
+        pthread_atfork(NULL, NULL, fake_forget_mine);
+    }
     int32_t pid = getpid();
     struct fake_proc *free_one = NULL;
     for (int i = 0; i < FAKE_MAX_PROCS; i++) {
         if (g->procs[i].pid == pid)
-            return &g->procs[i];
+            return fake_mine = &g->procs[i];
         if (!free_one && !fake_alive(g->procs[i].pid))
             free_one = &g->procs[i];
     }
@@ -123,7 +138,7 @@ static inline struct fake_proc *fake_me(struct fake_gpu *g)
     free_one->pid = pid;
     const char *offset = getenv("FAKE_PIDNS_OFFSET");
     free_one->host_pid = (uint32_t)(pid + (offset ? atoi(offset) : 0));
-    return free_one;
+    return fake_mine = free_one;
 }
 
 /* GPU time the process's kernels ran on `card` before time t. */

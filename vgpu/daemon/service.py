@@ -374,12 +374,14 @@ class PluginService:
         )
 
     def prestart(self, resource: Resource, device_ids: Sequence[str]) -> None:
-        """Re-create a container's config directory if it went missing."""
+        """Re-create a container's config directory or budget file if it went
+        missing: the saved Allocate answer mounts both."""
         ids = frozenset(device_ids)
         with self._lock:
             for placement in self.ledger.placements.values():
                 if placement.ids.get(resource) == ids:
-                    if not self.store.paths(placement.key).config_file.exists():
+                    paths = self.store.paths(placement.key)
+                    if not paths.config_file.exists() or not paths.budget_file.is_file():
                         self.store.write(placement)
                         log.warning("re-created the missing config of %s", placement.key)
                     return
