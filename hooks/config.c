@@ -16,14 +16,12 @@
 
 int vgpu_trace_on;
 
-void vgpu_trace(const char *fmt, ...)
+/* One line "<prefix>...\n" on stderr, in a single write. */
+static void emit(const char *prefix, const char *fmt, va_list ap)
 {
     char buf[512];
-    int n = snprintf(buf, sizeof(buf), "vgpu trace: ");
-    va_list ap;
-    va_start(ap, fmt);
+    int n = snprintf(buf, sizeof(buf), "%s", prefix);
     n += vsnprintf(buf + n, sizeof(buf) - (size_t)n - 1, fmt, ap);
-    va_end(ap);
     if (n > (int)sizeof(buf) - 2)
         n = (int)sizeof(buf) - 2;
     buf[n++] = '\n';
@@ -31,21 +29,22 @@ void vgpu_trace(const char *fmt, ...)
     (void)rc;
 }
 
+void vgpu_trace(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    emit("vgpu trace: ", fmt, ap);
+    va_end(ap);
+}
+
 void vgpu_log(int *once, const char *fmt, ...)
 {
     if (once && __atomic_exchange_n(once, 1, __ATOMIC_RELAXED))
         return;
-    char buf[512];
-    int n = snprintf(buf, sizeof(buf), "vgpu: ");
     va_list ap;
     va_start(ap, fmt);
-    n += vsnprintf(buf + n, sizeof(buf) - (size_t)n - 1, fmt, ap);
+    emit("vgpu: ", fmt, ap);
     va_end(ap);
-    if (n > (int)sizeof(buf) - 2)
-        n = (int)sizeof(buf) - 2;
-    buf[n++] = '\n';
-    ssize_t rc = write(STDERR_FILENO, buf, (size_t)n);
-    (void)rc;
 }
 
 /* ---- a tolerant reader of one top-level JSON object ---- */

@@ -58,23 +58,6 @@ def run_probe(env: dict[str, str], *ops: object) -> subprocess.Popen[str]:
     )
 
 
-def start_tenant(env: dict[str, str], *ops: object) -> tuple[subprocess.Popen[str], int]:
-    """A probe that runs `ops`, then waits; returns it and its (container) pid once ready."""
-    proc = subprocess.Popen(
-        [str(PROBE), *map(str, ops), "ready", "wait"],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if json.loads(line)["op"] == "ready":
-            return proc, int(json.loads(line)["pid"])
-    raise AssertionError(f"probe exited early: {proc.stderr.read() if proc.stderr else ''}")
-
-
 def last_json(proc: subprocess.Popen[str]) -> dict[str, object]:
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
@@ -173,13 +156,14 @@ def test_nvml_shows_the_limit_and_only_the_containers_processes(tmp_path: Path) 
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     ours.mkdir()
     theirs.mkdir()
-    other, _ = start_tenant(
-        tenant_env(theirs, gpu, offset=300000, VGPU_MEMORY_LIMIT_MIB=8192),
+    other, _ = start_probe(
         "ctx", 0, "alloc", "mem", 5000,
+        env=tenant_env(theirs, gpu, offset=300000, VGPU_MEMORY_LIMIT_MIB=8192),
     )  # fmt: skip
     env = tenant_env(ours, gpu, offset=100000, VGPU_MEMORY_LIMIT_MIB=2048)
     try:
-        holder, holder_pid = start_tenant(env, "ctx", 0, "alloc", "mem", 600)
+        holder, started = start_probe("ctx", 0, "alloc", "mem", 600, env=env)
+        holder_pid = int(started["pid"])  # type: ignore[call-overload]
         try:
             lines, _ = probe("ctx", 0, "alloc", "mem", 100, "nvml", env=env)
             seen = lines[-1]

@@ -78,13 +78,16 @@ def probe(
     return [json.loads(line) for line in run.stdout.splitlines()], run.stderr
 
 
-def start_probe(*ops: object, **extra: object) -> tuple[subprocess.Popen[str], dict[str, object]]:
-    """Starts a probe that ends its ops with `ready wait`; returns it once ready."""
-    env = base_env()
-    env.update({k: str(v) for k, v in extra.items()})
+def start_probe(
+    *ops: object, env: dict[str, str] | None = None, **extra: object
+) -> tuple[subprocess.Popen[str], dict[str, object]]:
+    """Starts a probe that ends its ops with `ready wait`; returns it once ready,
+    with its output lines and its pid."""
+    full = base_env() if env is None else dict(env)
+    full.update({k: str(v) for k, v in extra.items()})
     proc = subprocess.Popen(
         [str(PROBE), *map(str, ops), "ready", "wait"],
-        env=env,
+        env=full,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -97,7 +100,7 @@ def start_probe(*ops: object, **extra: object) -> tuple[subprocess.Popen[str], d
         assert line, f"probe exited early: {proc.stderr.read() if proc.stderr else ''}"
         lines.append(json.loads(line))
         if lines[-1]["op"] == "ready":
-            return proc, {"lines": lines}
+            return proc, {"lines": lines, "pid": lines[-1]["pid"]}
 
 
 def release(proc: subprocess.Popen[str]) -> None:

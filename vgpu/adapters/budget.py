@@ -80,22 +80,37 @@ def _create(path: Path) -> None:
     os.close(fd)
 
 
-def cut_back(path: Path) -> str | None:
-    """A budget file of another size is an incident: cut it back (or fill it up)
-    to the fixed size, keeping its contents. Returns what was done, or None."""
+def _open_regular(path: Path, mode: int) -> tuple[int, int] | None:
+    """(fd, size) of a regular file opened without following a link or blocking."""
     try:
-        fd = os.open(path, os.O_RDWR | _OPEN_FLAGS)
+        fd = os.open(path, mode | _OPEN_FLAGS)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size == FILE_BYTES:
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st.st_size
+
+
+def cut_back(path: Path) -> str | None:
+    """A budget file of another size is an incident: cut it back (or fill it up)
+    to the fixed size, keeping its contents. Returns what was done, or None."""
+    opened = _open_regular(path, os.O_RDWR)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        if size == FILE_BYTES:
             return None
-        if st.st_size > FILE_BYTES:
+        if size > FILE_BYTES:
             os.ftruncate(fd, FILE_BYTES)
         else:
             os.posix_fallocate(fd, 0, FILE_BYTES)
-        return f"{path} was {st.st_size} bytes, not {FILE_BYTES}: cut back to size"
+        return f"{path} was {size} bytes, not {FILE_BYTES}: cut back to size"
     except OSError as exc:
         return f"{path} is {exc.strerror or exc} and could not be cut back"
     finally:
@@ -117,13 +132,12 @@ def usage_mib(path: Path) -> int | None:
     slot. None when the file is missing, not a regular file, of another size,
     layout or version, or unreadable: never follows a link, never blocks.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
-    except OSError:
+    opened = _open_regular(path, os.O_RDONLY)
+    if opened is None:
         return None
+    fd, size = opened
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != FILE_BYTES:
+        if size != FILE_BYTES:
             return None
         data = os.pread(fd, FILE_BYTES, 0)
         if len(data) != FILE_BYTES:
