@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,14 @@ def test_a_file_of_another_size_is_brought_back_to_size(tmp_path: Path, size: in
     assert repaired is not None and "cut back" in repaired
     assert path.stat().st_size == budget.FILE_BYTES
     assert path.read_bytes()[:10] == b"\1" * 10
+
+
+def test_a_version_1_file_of_a_running_old_container_is_left_alone(tmp_path: Path) -> None:
+    """Its old hook maps exactly its size: resizing it would kill those processes."""
+    path = tmp_path / budget.FILE_NAME
+    path.write_bytes(struct.pack("<II", budget.MAGIC, 1) + bytes(139464 - 8))
+    assert budget.ensure(path) is None and budget.cut_back(path) is None
+    assert path.stat().st_size == 139464
 
 
 def test_something_else_planted_is_replaced(tmp_path: Path) -> None:

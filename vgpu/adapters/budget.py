@@ -37,6 +37,9 @@ DEVICES_AT = USED_AT + 8 * MAX_DEVICES
 SLOTS_AT = DEVICES_AT + UUID_BYTES * MAX_DEVICES
 SLOT = struct.Struct(f"<iI{MAX_DEVICES}Q")
 _FLOCK = "hhqqi4x"  # struct flock on Linux x86_64 / aarch64
+# Version 1 files (before the file had one fixed size) belong to containers that
+# still run the old hook, which maps exactly this size: never resize them.
+V1_SIZES = frozenset({139464, 139472})  # x86_64, aarch64 (the pthread mutex differs)
 _MIB = 1024 * 1024
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -65,6 +68,11 @@ def ensure(path: Path) -> str | None:
     if st.st_size != FILE_BYTES:
         return cut_back(path)
     return None
+
+
+def _is_v1(fd: int, size: int) -> bool:
+    head = os.pread(fd, 8, 0) if size in V1_SIZES else b""
+    return len(head) == 8 and struct.unpack("<II", head) == (MAGIC, 1)
 
 
 def _create(path: Path) -> None:
@@ -104,7 +112,7 @@ def cut_back(path: Path) -> str | None:
         return None
     fd, size = opened
     try:
-        if size == FILE_BYTES:
+        if size == FILE_BYTES or _is_v1(fd, size):
             return None
         if size > FILE_BYTES:
             os.ftruncate(fd, FILE_BYTES)
