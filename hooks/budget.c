@@ -223,12 +223,12 @@ static struct vgpu_shared *map_shared(const char *dir)
         return NULL;
     }
     struct stat st;
-    if (ofd_lock(fd, 0, F_WRLCK, 1) != 0) {
-        snprintf(why, sizeof(why), "no open-file-description locks: %s", strerror(errno));
-        goto fail;
-    }
     if (file_stat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         snprintf(why, sizeof(why), "not a regular file");
+        goto fail;
+    }
+    if (ofd_lock(fd, 0, F_WRLCK, 1) != 0 || file_stat(fd, &st) != 0) {
+        snprintf(why, sizeof(why), "no open-file-description locks: %s", strerror(errno));
         goto fail;
     }
     if (st.st_size != 0 && st.st_size != VGPU_SHARED_FILE_BYTES) {

@@ -450,13 +450,45 @@ def test_bad_core_limit_logged_once() -> None:
     assert len(vgpu_lines(err)) == 1 and "VGPU_CORE_LIMIT" in err
 
 
-def test_incompatible_shared_file_falls_back(shared: str) -> None:
-    Path(shared, "vgpu.shm").write_bytes(b"not a vgpu file")  # wrong size: never mapped
+def _plant(shared: str, what: str) -> None:
+    path = Path(shared, "vgpu.shm")
+    if what == "short":
+        path.write_bytes(b"not a vgpu file")  # wrong size: never mapped
+    elif what == "garbage":
+        path.write_bytes(os.urandom(143360))  # the right size, another layout
+    elif what == "fifo":
+        os.mkfifo(path)  # opening it must not block
+    elif what == "symlink":
+        target = Path(shared, "elsewhere")
+        target.write_bytes(b"\0" * 143360)
+        path.symlink_to(target)  # never followed
+    elif what == "directory":
+        path.mkdir()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("what", ["short", "garbage", "fifo", "symlink", "directory"])
+def test_incompatible_shared_file_falls_back(shared: str, what: str) -> None:
+    _plant(shared, what)
     lines, err = probe(
-        "alloc", "mem", 50, "info", VGPU_MEMORY_LIMIT_MIB=100, VGPU_SHARED_DIR=shared
+        "alloc", "mem", 50, "info", VGPU_MEMORY_LIMIT_MIB=100, VGPU_SHARED_DIR=shared, timeout=10
     )
     assert lines[0]["rc"] == 0 and lines[1]["free"] == 50 * MIB
-    assert len(vgpu_lines(err)) == 1 and "unusable" in err
+    assert len(vgpu_lines(err)) == 1 and ("unusable" in err or "cannot open" in err)
+    if what == "symlink":
+        assert Path(shared, "elsewhere").read_bytes() == b"\0" * 143360  # untouched
+
+
+def test_precreated_zero_filled_file_is_initialised_and_shared(shared: str) -> None:
+    """As the daemon creates it: zero-filled, full size, blocks allocated."""
+    Path(shared, "vgpu.shm").write_bytes(b"\0" * 143360)
+    limit = {"VGPU_MEMORY_LIMIT_MIB": 100, "VGPU_SHARED_DIR": shared}
+    holder, _ = start_probe("alloc", "mem", 60, **limit)
+    try:
+        lines, err = probe("alloc", "mem", 60, **limit)
+        assert lines[0]["rc"] == OOM and err == ""
+    finally:
+        release(holder)
 
 
 # ---- dlsym forwarding ----
