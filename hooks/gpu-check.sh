@@ -154,7 +154,8 @@ smi_total=$(timeout 30 env LD_PRELOAD="$lib" VGPU_SHARED_DIR="$work" $mem4 \
 # 3. two processes of 3 GiB in one container (one shared directory)
 pair=$(mktemp -d -p "$work")
 mkfifo "$work/hold.out"
-timeout -s KILL 300 env $mem4 LD_PRELOAD="$lib" VGPU_SHARED_DIR="$pair" "$python" "$work/check.py" hold 3 \
+# No timeout wrapper: $! must be the Python process itself, which gets the kill -9.
+env $mem4 LD_PRELOAD="$lib" VGPU_SHARED_DIR="$pair" "$python" "$work/check.py" hold 3 \
     >"$work/hold.out" 2>>"$work/stderr" &
 holder=$!
 read -r -t 120 held <"$work/hold.out" || held=null
@@ -184,7 +185,9 @@ gslow=$(run 120 VGPU_CORE_LIMIT=30 -- matmul 15 5 graph)
 tenant() {
     local core=$1 shared
     shared=$(mktemp -d -p "$work")
-    timeout -s KILL 120 unshare --pid --fork --mount-proc env VGPU_CORE_LIMIT="$core" LD_PRELOAD="$lib" \
+    local ns=(unshare --pid --fork --mount-proc)
+    (($(id -u) == 0)) || ns=(unshare --user --map-root-user --pid --fork --mount-proc)
+    timeout -s KILL 120 "${ns[@]}" env VGPU_CORE_LIMIT="$core" LD_PRELOAD="$lib" \
         VGPU_SHARED_DIR="$shared" "$python" "$work/check.py" matmul 20 8 kernels 2>>"$work/stderr" | tail -n 1
 }
 tenant 30 >"$work/t30" &
