@@ -88,12 +88,18 @@ def test_two_tenants_in_pid_namespaces_each_get_their_own_share(tmp_path: Path) 
 
 
 @pytest.mark.timeout(60)
-def test_graph_launches_longer_than_the_token_period_converge(tmp_path: Path) -> None:
-    """Each graph runs 20 ms on the card (4 refill periods): charged by its measured
-    duration, not as one small kernel, and with no launch-rate floor to hide behind."""
-    env = tenant_env(tmp_path, tmp_path / "gpu", VGPU_CORE_LIMIT=30)
-    share = float(last_json(run_probe(env, "ctx", 0, "graph", 4, 20000))["share"])  # type: ignore[arg-type]
-    print(f"GPU share of 20 ms graphs at 30%: {share:.3f}")
+@pytest.mark.parametrize(
+    "ops",
+    [("graph", 4, 20000), ("launch", 4)],
+    ids=["20ms-graphs", "20ms-kernels"],
+)
+def test_launches_longer_than_the_token_period_converge(tmp_path: Path, ops: tuple[object]) -> None:
+    """Each launch runs 20 ms on the card (4 refill periods): a graph is charged by its
+    measured duration, not as one small kernel, and there is no launch-rate floor to
+    hide behind; a long kernel puts the bucket in debt."""
+    env = tenant_env(tmp_path, tmp_path / "gpu", VGPU_CORE_LIMIT=30, FAKE_CUDA_LAUNCH_US=20000)
+    share = float(last_json(run_probe(env, "ctx", 0, *ops))["share"])  # type: ignore[arg-type]
+    print(f"GPU share of 20 ms {ops[0]}s at 30%: {share:.3f}")
     assert 0.2 <= share <= 0.4
 
 
