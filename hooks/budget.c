@@ -40,7 +40,6 @@
 static struct vgpu_shared *shm;
 static int shm_private; /* shm is this process's own memory */
 static int shm_fd = -1;
-static int reopen_needed; /* a forked child must not use its parent's open file */
 static char shm_path[4096];
 static int my_slot = NO_SLOT;
 static unsigned my_host_pid;
@@ -269,28 +268,10 @@ fail:
     return NULL;
 }
 
-/* A forked child: its own open file, so that its locks are its own. */
-static void reopen(void)
-{
-    static int logged;
-    int fd = open(shm_path, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    struct stat st;
-    if (fd >= 0 && file_stat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
-        st.st_size == VGPU_SHARED_FILE_BYTES) {
-        shm_fd = fd;
-        return;
-    }
-    if (fd >= 0)
-        close(fd);
-    vgpu_log(&logged, "cannot reopen %s in a forked child; its memory limit applies per process",
-             shm_path);
-    __atomic_store_n(&shm, map_private(), __ATOMIC_RELEASE);
-}
-
 static struct vgpu_shared *budget(void)
 {
     struct vgpu_shared *s = __atomic_load_n(&shm, __ATOMIC_ACQUIRE);
-    if (__builtin_expect(s != NULL && !reopen_needed, 1))
+    if (__builtin_expect(s != NULL, 1))
         return s;
     pthread_mutex_lock(&attach_lock);
     if (!shm) {
@@ -300,9 +281,6 @@ static struct vgpu_shared *budget(void)
             vgpu_log(&logged, "VGPU_SHARED_DIR is not set; the memory limit applies per process");
         s = dir && *dir ? map_shared(dir) : NULL;
         __atomic_store_n(&shm, s ? s : map_private(), __ATOMIC_RELEASE);
-    } else if (reopen_needed) {
-        reopen();
-        reopen_needed = 0;
     }
     pthread_mutex_unlock(&attach_lock);
     return shm;
@@ -529,10 +507,16 @@ void vgpu_budget_after_fork(void)
     pthread_mutex_init(&attach_lock, NULL);
     my_slot = NO_SLOT; /* a slot of its own, under its own liveness lock */
     my_host_pid = 0;
-    if (shm && shm_fd >= 0) {
-        close(shm_fd); /* the parent's open file: keeping it would keep the parent "alive" */
+    if (shm && !shm_private) {
+        /* The parent's open file, held by our descriptor and by our mapping,
+         * carries the parent's liveness lock: keeping either would keep the
+         * parent "alive" after it died.  The child attaches afresh if it uses
+         * the budget. */
+        munmap(shm, VGPU_SHARED_FILE_BYTES);
+        shm = NULL;
+        if (shm_fd >= 0)
+            close(shm_fd);
         shm_fd = -1;
-        reopen_needed = 1;
     } else if (shm && shm_private) { /* a private budget: the child starts from zero */
         memset(shm->used, 0, sizeof(shm->used));
         memset(shm->slots, 0, sizeof(shm->slots));

@@ -22,6 +22,8 @@
  *   stream N         later async allocations go to a new stream of device N
  *   poolkeep MIB     the current device's pool keeps MIB (-1: everything) when synchronised
  *   sync             cuCtxSynchronize
+ *   poolcreate N     later "pool" allocations come from a new pool on device N
+ *   forksleep MS     forks a child that sleeps MS and exits; the parent goes on
  *   vmm MIB          cuMemCreate + cuMemMap + cuMemRelease, still mapped; prints an id
  *   unmap ID         cuMemUnmap of a vmm mapping
  *   procnew          cuGetProcAddress("cuMemAlloc", 14000): a newer ABI, called as such
@@ -66,6 +68,7 @@ static CUresult (*pool_set_attribute)(CUmemoryPool, int, void *);
 static CUresult (*ctx_synchronize)(void);
 static CUresult (*address_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
 static CUstream probe_stream;
+static CUmemoryPool probe_pool; /* "pool" allocations use it when set */
 static int current;
 
 #define FIELD(sym, base, since, until, ptsz, params) sym##_fn sym;
@@ -213,8 +216,9 @@ static CUresult do_alloc(const char *kind, uint64_t mib, uint64_t *out)
     } else if (!strcmp(kind, "async_ptsz")) {
         rc = api.cuMemAllocAsync_ptsz(&p, bytes, probe_stream);
     } else if (!strcmp(kind, "pool") || !strcmp(kind, "pool_ptsz")) {
-        CUmemoryPool pool = NULL;
-        device_get_mem_pool(&pool, current);
+        CUmemoryPool pool = probe_pool;
+        if (!pool)
+            device_get_mem_pool(&pool, current);
         rc = kind[4] ? api.cuMemAllocFromPoolAsync_ptsz(&p, bytes, pool, probe_stream)
                      : api.cuMemAllocFromPoolAsync(&p, bytes, pool, probe_stream);
     } else if (!strcmp(kind, "create")) {
@@ -474,6 +478,18 @@ int main(int argc, char **argv)
             cuuint64_t keep = mib < 0 ? ~0ull : (cuuint64_t)mib * MIB;
             device_get_mem_pool(&pool, current);
             pool_set_attribute(pool, 4 /* CU_MEMPOOL_ATTR_RELEASE_THRESHOLD */, &keep);
+            i++;
+        } else if (!strcmp(op, "poolcreate")) {
+            CUmemPoolProps props = {.allocType = 1, .location = {CU_MEM_LOCATION_TYPE_DEVICE, atoi(a1)}};
+            printf("{\"op\":\"poolcreate\",\"rc\":%d}\n", api.cuMemPoolCreate(&probe_pool, &props));
+            i++;
+        } else if (!strcmp(op, "forksleep")) {
+            if (fork() == 0) { /* a child that outlives its parent, CUDA untouched */
+                close(STDOUT_FILENO);
+                close(STDERR_FILENO);
+                usleep((useconds_t)atoi(a1) * 1000);
+                _exit(0);
+            }
             i++;
         } else if (!strcmp(op, "sync")) {
             printf("{\"op\":\"sync\",\"rc\":%d}\n", ctx_synchronize());

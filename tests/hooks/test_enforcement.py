@@ -274,6 +274,16 @@ def test_pool_allocation_charged_to_the_streams_card(tmp_path: Path) -> None:
     assert on_current["free"] == 100 * MIB and on_stream["free"] == 36 * MIB
 
 
+def test_pool_allocation_charged_to_the_pools_card(tmp_path: Path) -> None:
+    lines, _ = probe(
+        "poolcreate", 1, "alloc", "pool", 64, "info", "dev", 1, "info",
+        VGPU_MEMORY_LIMIT_MIB=100, VGPU_SHARED_DIR=tmp_path,
+    )  # fmt: skip
+    created, alloc, on_current, on_pool = lines
+    assert created["rc"] == 0 and alloc["rc"] == 0
+    assert on_current["free"] == 100 * MIB and on_pool["free"] == 36 * MIB
+
+
 # ---- 9. cuGetProcAddress hands out wrappers only for the ABIs they implement ----
 
 
@@ -304,6 +314,15 @@ def test_closing_another_descriptor_keeps_the_process_alive(tmp_path: Path) -> N
         assert lines[0]["rc"] == OOM  # the holder's 600 still count
     finally:
         release(holder)
+
+
+def test_a_forked_child_does_not_keep_its_dead_parent_alive(tmp_path: Path) -> None:
+    """The child shares the parent's open file, and with it its liveness lock,
+    until it closes it: it must, or an exited parent's share never comes back."""
+    limit = {"VGPU_MEMORY_LIMIT_MIB": 1024, "VGPU_SHARED_DIR": tmp_path}
+    probe("alloc", "mem", 600, "forksleep", 5000, **limit)  # exits; its child sleeps on
+    lines, _ = probe("alloc", "mem", 900, **limit)
+    assert lines[0]["rc"] == 0
 
 
 # ---- 11. the trace switch ----
