@@ -30,6 +30,7 @@
 #define SLOTLESS (-2) /* every slot taken: tracked in the totals only */
 #define WAIT_NS 5000000l          /* a waiter sleeps at most 5 ms at a time */
 #define DEAD_CHECK_NS 20000000ll  /* and checks every 20 ms whether the owner died */
+#define NO_SLOT_PATIENCE_NS 5000000000ll
 
 #if defined(__x86_64__)
 #define cpu_relax() __builtin_ia32_pause()
@@ -102,7 +103,7 @@ static void rebuild_totals(struct vgpu_shared *s)
 static void lock_slow(struct vgpu_shared *s, uint32_t me)
 {
     static int logged;
-    long long check_at = now_ns() + DEAD_CHECK_NS;
+    long long started = now_ns(), check_at = started + DEAD_CHECK_NS;
     for (int spin = 0;; spin++) {
         uint32_t v = __atomic_load_n(&s->lock, __ATOMIC_RELAXED);
         if (v == 0) { /* keep the waiters bit: others may still sleep */
@@ -127,12 +128,18 @@ static void lock_slow(struct vgpu_shared *s, uint32_t me)
             continue;
         check_at = now_ns() + DEAD_CHECK_NS;
         uint32_t owner = v & ~VGPU_LOCK_WAITERS;
-        if (owner == me || owner == 0 || owner > VGPU_MAX_SLOTS || !slot_dead((int)owner - 1))
+        /* An owner without a slot (over 1024 processes) cannot be checked:
+         * after NO_SLOT_PATIENCE_NS it is presumed dead. */
+        int dead = owner == VGPU_LOCK_NO_SLOT
+                       ? now_ns() - started >= NO_SLOT_PATIENCE_NS
+                       : owner != me && owner != 0 && owner <= VGPU_MAX_SLOTS &&
+                             slot_dead((int)owner - 1);
+        if (!dead)
             continue;
         if (__atomic_compare_exchange_n(&s->lock, &v, me | VGPU_LOCK_WAITERS, 0,
                                         __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
-            vgpu_log(&logged, "the budget lock's holder (slot %u) died holding it; totals rebuilt",
-                     owner - 1);
+            vgpu_log(&logged, "the budget lock's holder (slot %d) died holding it; totals rebuilt",
+                     owner == VGPU_LOCK_NO_SLOT ? -1 : (int)owner - 1);
             rebuild_totals(s);
             return;
         }
