@@ -67,6 +67,12 @@ def ensure(path: Path) -> str | None:
         return f"replaced a {kind} at {path}"
     if st.st_size != FILE_BYTES:
         return cut_back(path)
+    opened = _open_regular(path, os.O_RDWR)
+    if opened is not None:  # blocks a hole-punching tenant freed come back
+        try:
+            os.posix_fallocate(opened[0], 0, FILE_BYTES)
+        finally:
+            os.close(opened[0])
     return None
 
 
