@@ -29,6 +29,9 @@
     _Static_assert(__builtin_types_compatible_p(sym##_fn, PFN(base, since, ptsz)),              \
                    #sym ": the hook's parameters differ from PFN_" #base "_v" #since);
 VGPU_HOOK_LIST(CHECK)
+#ifdef VGPU_ABI_SELFTEST /* a deliberate mismatch: the check must catch it */
+CHECK(cuMemAlloc_v2, cuMemGetInfo, 3020, 0, 0, ())
+#endif
 #define REAL "real"
 #else
 #define REAL "ours"

@@ -72,6 +72,17 @@ def test_cuda_types_and_signatures_match_the_real_headers(tmp_path: Path) -> Non
     assert ours == real
 
 
+def test_signature_check_catches_a_mismatch(tmp_path: Path) -> None:
+    include = _cuda_include()
+    build = subprocess.run(
+        ["gcc", "-std=gnu11", "-DVGPU_REAL_HEADERS", "-DVGPU_ABI_SELFTEST", f"-I{include}",
+         "-o", str(tmp_path / "abi"), str(ABI_SOURCE)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert build.returncode != 0
+    assert "cuMemAlloc_v2: the hook" in build.stderr and "PFN_cuMemGetInfo_v3020" in build.stderr
+
+
 def _pfn_versions(include: Path) -> dict[str, set[tuple[int, int]]]:
     """(version, per-thread) of every PFN_<name>_v<version>[_ptsz] in cudaTypedefs.h."""
     text = (include / "cudaTypedefs.h").read_text()
