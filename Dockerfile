@@ -6,9 +6,11 @@
 # deploy/04-daemonset.yaml names ghcr.io/vgpu-project/vgpu:0.1.0, a placeholder:
 # push the image to your own registry and change that line.
 #
-# Both stages use the same Debian release, so the hook library is built against
-# the glibc it runs with. Pin the base by digest (python:3.11-slim-bookworm@sha256:…)
-# for reproducible releases.
+# Both stages use the same Debian release. The hook library runs in the tenants'
+# containers, not here: hooks/glibc_floor.h keeps what it needs at GLIBC_2.17
+# whatever glibc this stage has (tests/hooks/test_build.py checks the floor).
+# Pin the base by digest (python:3.11-slim-bookworm@sha256:…) for reproducible
+# releases.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---------------------------------------------------------------- build stage

@@ -13,12 +13,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from bench.common import Json
+from bench.common import Json, Target
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOKS = ROOT / "hooks"
 LIBRARY = HOOKS / "build" / "libvgpu.so"
 TIMEOUT_S = 120.0
+PAIR_LIMIT_NS = 200.0  # added per cuMemAlloc + cuMemFree pair
+LAUNCH_LIMIT_NS = 20.0  # added per kernel launch
 
 
 def _unavailable(reason: str) -> Json:
@@ -57,4 +59,12 @@ def run() -> Json:
     metrics = {k: v for k, v in numbers.items() if isinstance(v, int | float)}
     # hooks/tests/bench.sh: `<kind>_ns` is what the hook adds (hooked minus bare),
     # `bare_<kind>_ns` the stand-in driver alone.
-    return {"available": True, "metrics": metrics, "targets": []}
+    targets = [
+        Target(name, float(metrics[key]), limit, "ns")
+        for name, key, limit in (
+            ("hook cost per alloc/free pair", "alloc_free_pair_ns", PAIR_LIMIT_NS),
+            ("hook cost per kernel launch", "launch_ns", LAUNCH_LIMIT_NS),
+        )
+        if key in metrics
+    ]
+    return {"available": True, "metrics": metrics, "targets": [t.to_json() for t in targets]}

@@ -52,17 +52,9 @@ out:
     return ret;
 }
 
-int vgpu_map_take(struct vgpu_map *m, int kind, uint64_t key, struct vgpu_map_entry *out)
+/* Removes slot i (occupied).  Lock held. */
+static void map_remove(struct vgpu_map *m, size_t i)
 {
-    int found = 0;
-    pthread_mutex_lock(&m->lock);
-    if (m->cap == 0)
-        goto out;
-    size_t i = map_find(m, kind, key);
-    if (m->slots[i].kind == 0)
-        goto out;
-    found = 1;
-    *out = m->slots[i];
     m->count--;
     /* Backward-shift deletion keeps every probe chain unbroken. */
     size_t mask = m->cap - 1;
@@ -75,9 +67,48 @@ int vgpu_map_take(struct vgpu_map *m, int kind, uint64_t key, struct vgpu_map_en
         }
     }
     m->slots[i].kind = 0;
+}
+
+int vgpu_map_take(struct vgpu_map *m, int kind, uint64_t key, struct vgpu_map_entry *out)
+{
+    int found = 0;
+    pthread_mutex_lock(&m->lock);
+    if (m->cap == 0)
+        goto out;
+    size_t i = map_find(m, kind, key);
+    if (m->slots[i].kind == 0)
+        goto out;
+    found = 1;
+    *out = m->slots[i];
+    map_remove(m, i);
 out:
     pthread_mutex_unlock(&m->lock);
     return found;
+}
+
+int vgpu_map_handle(struct vgpu_map *m, uint64_t handle, int maps, int release,
+                    struct vgpu_map_entry *out)
+{
+    int state = 0;
+    pthread_mutex_lock(&m->lock);
+    if (m->cap == 0)
+        goto out;
+    size_t i = map_find(m, VGPU_KEY_HANDLE, handle);
+    struct vgpu_map_entry *e = &m->slots[i];
+    if (e->kind == 0)
+        goto out;
+    uint64_t count = e->aux & 0xffffffffull;
+    count = maps < 0 ? (count ? count - 1 : 0) : count + (uint64_t)maps;
+    e->aux = (e->aux & ~0xffffffffull) | count | (release ? VGPU_HANDLE_RELEASED : 0);
+    state = 1;
+    if ((e->aux & VGPU_HANDLE_RELEASED) && count == 0) {
+        state = 2;
+        *out = *e;
+        map_remove(m, i);
+    }
+out:
+    pthread_mutex_unlock(&m->lock);
+    return state;
 }
 
 void vgpu_map_reset(struct vgpu_map *m)

@@ -1,50 +1,171 @@
 /*
  * The container-wide memory budget, kept in $VGPU_SHARED_DIR/vgpu.shm
- * (layout and locking rules: vgpu_shared.h).  Without VGPU_SHARED_DIR the
- * same structure lives in private memory and the budget is per process.
+ * (layout and locking rules: vgpu_shared.h).  Without VGPU_SHARED_DIR, or
+ * when the file is unusable, the same structure lives in private memory and
+ * the budget is per process.
+ *
+ * The file is tenant-writable ground: it is opened without following links
+ * and without blocking, must be a regular file of exactly
+ * VGPU_SHARED_FILE_BYTES (or empty, when this process creates it), has its
+ * blocks allocated before it is mapped (a full disk then cannot SIGBUS a
+ * process that touches it), and every index read from it is bounded.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/futex.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "vgpu.h"
-#include "vgpu_shared.h"
 
 #define NO_SLOT (-1)
 #define SLOTLESS (-2) /* every slot taken: tracked in the totals only */
+#define WAIT_NS 5000000l          /* a waiter sleeps at most 5 ms at a time */
+#define DEAD_CHECK_NS 20000000ll  /* and checks every 20 ms whether the owner died */
+#define NO_SLOT_PATIENCE_NS 5000000000ll
+
+#if defined(__x86_64__)
+#define cpu_relax() __builtin_ia32_pause()
+#else
+#define cpu_relax() __asm__ __volatile__("yield")
+#endif
 
 static struct vgpu_shared *shm;
+static int shm_private; /* shm is this process's own memory */
 static int shm_fd = -1;
+static char shm_path[4096];
 static int my_slot = NO_SLOT;
+static unsigned my_host_pid;
 static pthread_mutex_t attach_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static int lock_byte(off_t offset, short type, int wait)
+static int ofd_lock(int fd, off_t offset, short type, int wait)
 {
     struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = offset, .l_len = 1};
     int rc;
     do
-        rc = fcntl(shm_fd, wait ? F_SETLKW : F_SETLK, &fl);
+        rc = fcntl(fd, wait ? F_OFD_SETLKW : F_OFD_SETLK, &fl);
     while (rc != 0 && errno == EINTR);
     return rc;
 }
 
-static void init_header(struct vgpu_shared *s, int pshared)
+/* 1 if no open file holds slot i's liveness lock: its process is gone.
+ * Never asked for our own slot (our own lock does not conflict with us). */
+static int slot_dead(int i)
 {
-    pthread_mutexattr_t attr;
-    pthread_mutexattr_init(&attr);
-    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-    if (pshared)
-        pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-    pthread_mutex_init(&s->lock, &attr);
-    pthread_mutexattr_destroy(&attr);
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET,
+                       .l_start = VGPU_SLOT_LOCK_BASE + i, .l_len = 1};
+    if (shm_fd < 0 || fcntl(shm_fd, F_OFD_GETLK, &fl) != 0)
+        return 0;
+    return fl.l_type == F_UNLCK;
+}
+
+/* fstat without the GLIBC_2.33 symbol; the kernel's struct stat is libc's
+ * on x86_64 and aarch64. */
+static int file_stat(int fd, struct stat *st)
+{
+    return (int)syscall(SYS_fstat, fd, st);
+}
+
+static long long now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000ll + ts.tv_nsec;
+}
+
+/* ---- the budget lock (a futex word in the file) ---- */
+
+static uint32_t my_lock_id(void)
+{
+    return my_slot >= 0 ? (uint32_t)my_slot + 1 : VGPU_LOCK_NO_SLOT;
+}
+
+/* Totals from the slots: after a holder of the lock died mid-update. */
+static void rebuild_totals(struct vgpu_shared *s)
+{
+    uint32_t hwm = s->slot_hwm < VGPU_MAX_SLOTS ? s->slot_hwm : VGPU_MAX_SLOTS;
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
+        uint64_t sum = 0;
+        for (uint32_t i = 0; i < hwm; i++)
+            sum += s->slots[i].used[d];
+        s->used[d] = sum;
+    }
+}
+
+static void lock_slow(struct vgpu_shared *s, uint32_t me)
+{
+    static int logged;
+    long long started = now_ns(), check_at = started + DEAD_CHECK_NS;
+    for (int spin = 0;; spin++) {
+        uint32_t v = __atomic_load_n(&s->lock, __ATOMIC_RELAXED);
+        if (v == 0) { /* keep the waiters bit: others may still sleep */
+            if (__atomic_compare_exchange_n(&s->lock, &v, me | VGPU_LOCK_WAITERS, 0,
+                                            __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+                return;
+            continue;
+        }
+        if (spin < 64) {
+            cpu_relax();
+            continue;
+        }
+        if (!(v & VGPU_LOCK_WAITERS)) {
+            if (!__atomic_compare_exchange_n(&s->lock, &v, v | VGPU_LOCK_WAITERS, 0,
+                                             __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+                continue;
+            v |= VGPU_LOCK_WAITERS;
+        }
+        struct timespec ts = {0, WAIT_NS};
+        syscall(SYS_futex, &s->lock, FUTEX_WAIT, v, &ts, NULL, 0);
+        if (now_ns() < check_at)
+            continue;
+        check_at = now_ns() + DEAD_CHECK_NS;
+        uint32_t owner = v & ~VGPU_LOCK_WAITERS;
+        /* An owner without a slot (over 1024 processes) cannot be checked:
+         * after NO_SLOT_PATIENCE_NS it is presumed dead. */
+        int dead = owner == VGPU_LOCK_NO_SLOT
+                       ? now_ns() - started >= NO_SLOT_PATIENCE_NS
+                       : owner != me && owner != 0 && owner <= VGPU_MAX_SLOTS &&
+                             slot_dead((int)owner - 1);
+        if (!dead)
+            continue;
+        if (__atomic_compare_exchange_n(&s->lock, &v, me | VGPU_LOCK_WAITERS, 0,
+                                        __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+            vgpu_log(&logged, "the budget lock's holder (slot %d) died holding it; totals rebuilt",
+                     owner == VGPU_LOCK_NO_SLOT ? -1 : (int)owner - 1);
+            rebuild_totals(s);
+            return;
+        }
+    }
+}
+
+static inline void lock_budget(struct vgpu_shared *s)
+{
+    uint32_t me = my_lock_id(), expected = 0;
+    if (!__atomic_compare_exchange_n(&s->lock, &expected, me, 0, __ATOMIC_ACQUIRE,
+                                     __ATOMIC_RELAXED))
+        lock_slow(s, me);
+}
+
+static inline void unlock_budget(struct vgpu_shared *s)
+{
+    if (__atomic_exchange_n(&s->lock, 0, __ATOMIC_RELEASE) & VGPU_LOCK_WAITERS)
+        syscall(SYS_futex, &s->lock, FUTEX_WAKE, 1, NULL, NULL, 0);
+}
+
+/* ---- attaching the file ---- */
+
+static void init_header(struct vgpu_shared *s)
+{
     s->version = VGPU_SHARED_VERSION;
-    s->header_size = sizeof(*s);
+    s->file_bytes = VGPU_SHARED_FILE_BYTES;
     s->slot_count = VGPU_MAX_SLOTS;
     s->limit_bytes = vgpu_cfg.memory_limit;
     __atomic_store_n(&s->magic, VGPU_SHARED_MAGIC, __ATOMIC_RELEASE);
@@ -56,61 +177,108 @@ static struct vgpu_shared *map_private(void)
                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
         abort(); /* a few hundred KiB at start-up: nothing sane to fall back to */
-    init_header(p, 0);
+    init_header(p);
+    shm_private = 1;
     return p;
 }
 
-/* Maps the shared file (created and initialised by the first comer), or NULL. */
+/* Opens the budget file without following a link or blocking; creates it
+ * (exclusively) when it does not exist. */
+static int open_file(const char *path)
+{
+    int flags = O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        int fd = open(path, flags);
+        if (fd >= 0 || errno != ENOENT)
+            return fd;
+        fd = open(path, flags | O_CREAT | O_EXCL, 0666);
+        if (fd >= 0 || errno != EEXIST)
+            return fd;
+    }
+    return -1;
+}
+
+/* Gives the file its blocks (a full disk must fail here, never as a SIGBUS
+ * later).  0, or an errno. */
+static int allocate(int fd, off_t size_now)
+{
+    if (fallocate(fd, 0, 0, VGPU_SHARED_FILE_BYTES) == 0)
+        return 0;
+    if (errno != EOPNOTSUPP && errno != ENOSYS)
+        return errno;
+    if (size_now != 0)
+        return 0; /* a full-size file on a file system without fallocate: as it is */
+    static const char zeros[4096];
+    for (off_t at = 0; at < VGPU_SHARED_FILE_BYTES; at += (off_t)sizeof(zeros))
+        if (pwrite(fd, zeros, sizeof(zeros), at) != (ssize_t)sizeof(zeros))
+            return errno ? errno : EIO;
+    return 0;
+}
+
+/* Maps the shared file (sized and initialised by the first comer), or NULL. */
 static struct vgpu_shared *map_shared(const char *dir)
 {
     static int logged;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s/%s", dir, VGPU_SHARED_FILE);
-    shm_fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
-    if (shm_fd < 0) {
-        vgpu_log(&logged, "cannot open %s: %s; the memory limit applies per process", path,
+    char why[160] = "";
+    struct vgpu_shared *s = NULL;
+    snprintf(shm_path, sizeof(shm_path), "%s/%s", dir, VGPU_SHARED_FILE);
+    int fd = open_file(shm_path);
+    if (fd < 0) {
+        vgpu_log(&logged, "cannot open %s: %s; the memory limit applies per process", shm_path,
                  strerror(errno));
         return NULL;
     }
-    struct vgpu_shared *s = NULL;
     struct stat st;
-    if (lock_byte(0, F_WRLCK, 1) != 0) /* no fcntl locks here: liveness unknowable */
+    if (file_stat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        snprintf(why, sizeof(why), "not a regular file");
         goto fail;
-    if (fstat(shm_fd, &st) != 0)
-        goto fail;
-    if (st.st_size == 0) {
-        fchmod(shm_fd, 0666); /* processes of the container may run as other users */
-        if (ftruncate(shm_fd, sizeof(*s)) != 0)
-            goto fail;
-    } else if ((size_t)st.st_size != sizeof(*s)) {
-        goto fail; /* another layout: do not read it */
     }
-    s = mmap(NULL, sizeof(*s), PROT_READ | PROT_WRITE, MAP_SHARED, shm_fd, 0);
+    if (ofd_lock(fd, 0, F_WRLCK, 1) != 0 || file_stat(fd, &st) != 0) {
+        snprintf(why, sizeof(why), "no open-file-description locks: %s", strerror(errno));
+        goto fail;
+    }
+    if (st.st_size != 0 && st.st_size != VGPU_SHARED_FILE_BYTES) {
+        snprintf(why, sizeof(why), "size %lld, not %u", (long long)st.st_size,
+                 VGPU_SHARED_FILE_BYTES);
+        goto fail;
+    }
+    if (st.st_size == 0 && fchmod(fd, 0666) != 0) /* other users of the container join */
+        VGPU_TRACE("budget: fchmod %s: %s", shm_path, strerror(errno));
+    int err = allocate(fd, st.st_size);
+    if (err) {
+        snprintf(why, sizeof(why), "cannot allocate its blocks: %s", strerror(err));
+        goto fail;
+    }
+    s = mmap(NULL, VGPU_SHARED_FILE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (s == MAP_FAILED) {
         s = NULL;
+        snprintf(why, sizeof(why), "mmap: %s", strerror(errno));
         goto fail;
     }
-    if (s->magic == 0)
-        init_header(s, 1);
-    else if (s->magic != VGPU_SHARED_MAGIC || s->version != VGPU_SHARED_VERSION ||
-             s->header_size != sizeof(*s))
+    if (__atomic_load_n(&s->magic, __ATOMIC_ACQUIRE) == 0) { /* new, or pre-created zero-filled */
+        memset(s, 0, sizeof(*s));
+        init_header(s);
+    } else if (s->magic != VGPU_SHARED_MAGIC || s->version != VGPU_SHARED_VERSION ||
+               s->file_bytes != VGPU_SHARED_FILE_BYTES || s->slot_count != VGPU_MAX_SLOTS) {
+        snprintf(why, sizeof(why), "another layout version or garbage");
         goto fail;
-    lock_byte(0, F_UNLCK, 0);
+    }
+    ofd_lock(fd, 0, F_UNLCK, 0);
+    shm_fd = fd;
+    VGPU_TRACE("budget: attached %s", shm_path);
     return s;
 fail:
-    vgpu_log(&logged, "%s is unusable (another layout version or I/O error); the memory limit "
-             "applies per process", path);
+    vgpu_log(&logged, "%s is unusable (%s); the memory limit applies per process", shm_path, why);
     if (s)
-        munmap(s, sizeof(*s));
-    close(shm_fd); /* we hold no slot lock yet, only the init lock */
-    shm_fd = -1;
+        munmap(s, VGPU_SHARED_FILE_BYTES);
+    close(fd); /* we hold no slot lock yet, only the init lock */
     return NULL;
 }
 
 static struct vgpu_shared *budget(void)
 {
     struct vgpu_shared *s = __atomic_load_n(&shm, __ATOMIC_ACQUIRE);
-    if (s)
+    if (__builtin_expect(s != NULL, 1))
         return s;
     pthread_mutex_lock(&attach_lock);
     if (!shm) {
@@ -125,36 +293,7 @@ static struct vgpu_shared *budget(void)
     return shm;
 }
 
-/* Totals from the slots: after a holder of the lock died mid-update. */
-static void rebuild_totals(struct vgpu_shared *s)
-{
-    for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
-        uint64_t sum = 0;
-        for (uint32_t i = 0; i < s->slot_hwm && i < VGPU_MAX_SLOTS; i++)
-            sum += s->slots[i].used[d];
-        s->used[d] = sum;
-    }
-}
-
-static int lock_shared(struct vgpu_shared *s)
-{
-    static int logged;
-    int rc = pthread_mutex_lock(&s->lock);
-    if (rc == EOWNERDEAD) {
-        rebuild_totals(s);
-        pthread_mutex_consistent(&s->lock);
-        rc = 0;
-    }
-    if (rc != 0)
-        vgpu_log(&logged, "budget lock unusable (%s); accounting without it", strerror(rc));
-    return rc == 0;
-}
-
-static void unlock_shared(struct vgpu_shared *s, int locked)
-{
-    if (locked)
-        pthread_mutex_unlock(&s->lock);
-}
+/* ---- slots ---- */
 
 /* Gives back everything slot i holds and frees it.  Lock held. */
 static void clear_slot(struct vgpu_shared *s, int i)
@@ -165,127 +304,229 @@ static void clear_slot(struct vgpu_shared *s, int i)
         s->slots[i].used[d] = 0;
     }
     s->slots[i].pid = 0;
+    s->slots[i].host_pid = 0;
 }
 
-/* Reclaims the slots of dead processes: those whose fcntl lock we can take. */
+/* Reclaims the slots of dead processes: those whose liveness lock we can take. */
 static void sweep_dead(struct vgpu_shared *s)
 {
     if (shm_fd < 0)
         return;
-    for (uint32_t i = 0; i < s->slot_hwm && i < VGPU_MAX_SLOTS; i++) {
+    uint32_t hwm = s->slot_hwm < VGPU_MAX_SLOTS ? s->slot_hwm : VGPU_MAX_SLOTS;
+    for (uint32_t i = 0; i < hwm; i++) {
         if ((int)i == my_slot || s->slots[i].pid == 0)
             continue;
-        if (lock_byte(VGPU_SLOT_LOCK_BASE + i, F_WRLCK, 0) == 0) {
+        if (ofd_lock(shm_fd, VGPU_SLOT_LOCK_BASE + i, F_WRLCK, 0) == 0) {
+            VGPU_TRACE("budget: reclaimed slot %u of dead pid %d", i, s->slots[i].pid);
             clear_slot(s, (int)i);
-            lock_byte(VGPU_SLOT_LOCK_BASE + i, F_UNLCK, 0);
+            ofd_lock(shm_fd, VGPU_SLOT_LOCK_BASE + i, F_UNLCK, 0);
         }
     }
 }
 
-/* Takes a slot for this process (a free one or a dead one's).  Lock held. */
-static void claim_slot(struct vgpu_shared *s)
+/* Takes a free slot's liveness lock (no budget lock needed: the kernel
+ * arbitrates between processes).  The slot index, or SLOTLESS. */
+static int claim_slot(void)
 {
     static int logged;
-    if (shm_fd < 0) {
-        my_slot = 0;
-        s->slots[0].pid = getpid();
-        s->slot_hwm = 1;
-        return;
-    }
-    for (int i = 0; i < VGPU_MAX_SLOTS; i++) {
-        if (lock_byte(VGPU_SLOT_LOCK_BASE + i, F_WRLCK, 0) != 0)
-            continue; /* a live process holds it */
-        clear_slot(s, i);
-        s->slots[i].pid = getpid();
-        if ((uint32_t)i >= s->slot_hwm)
-            s->slot_hwm = (uint32_t)i + 1;
-        my_slot = i;
-        return;
-    }
+    if (shm_fd < 0)
+        return 0;
+    for (int i = 0; i < VGPU_MAX_SLOTS; i++)
+        if (ofd_lock(shm_fd, VGPU_SLOT_LOCK_BASE + i, F_WRLCK, 0) == 0)
+            return i;
     vgpu_log(&logged, "all %d process slots are taken; this process's share is not returned "
              "if it dies", VGPU_MAX_SLOTS);
-    my_slot = SLOTLESS;
+    return SLOTLESS;
 }
 
-static struct vgpu_shared *lock_with_slot(int *locked)
+/* The budget, locked, with this process's slot in place.  The first call
+ * claims the slot; other threads wait on attach_lock until it is set up. */
+static struct vgpu_shared *lock_with_slot(void)
 {
     struct vgpu_shared *s = budget();
-    *locked = lock_shared(s);
-    if (my_slot == NO_SLOT)
-        claim_slot(s);
+    if (__builtin_expect(__atomic_load_n(&my_slot, __ATOMIC_ACQUIRE) != NO_SLOT, 1)) {
+        lock_budget(s);
+        return s;
+    }
+    pthread_mutex_lock(&attach_lock);
+    if (my_slot != NO_SLOT) {
+        pthread_mutex_unlock(&attach_lock);
+        lock_budget(s);
+        return s;
+    }
+    int slot = claim_slot();
+    uint32_t id = slot >= 0 ? (uint32_t)slot + 1 : VGPU_LOCK_NO_SLOT, expected = 0;
+    if (!__atomic_compare_exchange_n(&s->lock, &expected, id, 0, __ATOMIC_ACQUIRE,
+                                     __ATOMIC_RELAXED))
+        lock_slow(s, id);
+    if (slot >= 0) {
+        clear_slot(s, slot); /* what a dead predecessor left */
+        s->slots[slot].pid = getpid();
+        s->slots[slot].host_pid = my_host_pid;
+        if ((uint32_t)slot >= s->slot_hwm || s->slot_hwm > VGPU_MAX_SLOTS)
+            s->slot_hwm = (uint32_t)slot + 1;
+        VGPU_TRACE("budget: pid %d took slot %d", getpid(), slot);
+    }
+    __atomic_store_n(&my_slot, slot, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&attach_lock);
     return s;
 }
 
-static void add_used(struct vgpu_shared *s, int dev, uint64_t bytes)
+/* ---- the budget ---- */
+
+static inline int valid(int e)
+{
+    return e >= 0 && e < VGPU_MAX_DEVICES;
+}
+
+/* Two UUID texts name one card when the part after the prefix ("GPU-",
+ * "MIG-") matches, case aside. */
+static int same_card(const char *a, const char *b)
+{
+    const char *da = memchr(a, '-', VGPU_UUID_BYTES), *db = memchr(b, '-', VGPU_UUID_BYTES);
+    if (!da || !db)
+        return strncmp(a, b, VGPU_UUID_BYTES) == 0;
+    size_t la = strnlen(da, VGPU_UUID_BYTES - (size_t)(da - a)),
+           lb = strnlen(db, VGPU_UUID_BYTES - (size_t)(db - b));
+    return la == lb && strncasecmp(da, db, la) == 0;
+}
+
+int vgpu_budget_entry(const char *uuid, int add)
+{
+    static int logged;
+    struct vgpu_shared *s = lock_with_slot();
+    uint32_t n = s->device_count < VGPU_MAX_DEVICES ? s->device_count : VGPU_MAX_DEVICES;
+    int found = -1;
+    for (uint32_t i = 0; i < n && found < 0; i++)
+        if (same_card(s->devices[i], uuid))
+            found = (int)i;
+    if (found < 0 && add) {
+        if (n < VGPU_MAX_DEVICES) {
+            memset(s->devices[n], 0, VGPU_UUID_BYTES);
+            strncpy(s->devices[n], uuid, VGPU_UUID_BYTES - 1);
+            s->device_count = n + 1;
+            found = (int)n;
+        } else {
+            vgpu_log(&logged, "more than %d cards: %s shares the last budget entry",
+                     VGPU_MAX_DEVICES, uuid);
+            found = VGPU_MAX_DEVICES - 1;
+        }
+    }
+    unlock_budget(s);
+    return found;
+}
+
+static void add_used(struct vgpu_shared *s, int e, uint64_t bytes)
 {
     if (my_slot >= 0)
-        s->slots[my_slot].used[dev] += bytes;
-    s->used[dev] += bytes;
+        s->slots[my_slot].used[e] += bytes;
+    s->used[e] += bytes;
 }
 
-static int fits(const struct vgpu_shared *s, int dev, uint64_t bytes)
+static int fits(const struct vgpu_shared *s, int e, uint64_t bytes)
 {
-    uint64_t limit = vgpu_cfg.memory_limit;
-    return s->used[dev] <= limit && bytes <= limit - s->used[dev];
+    uint64_t limit = vgpu_cfg.memory_limit, used = s->used[e];
+    return used <= limit && bytes <= limit - used;
 }
 
-int vgpu_budget_reserve(int dev, uint64_t bytes)
+int vgpu_budget_reserve(int e, uint64_t bytes)
 {
-    int locked;
-    struct vgpu_shared *s = lock_with_slot(&locked);
-    int ok = fits(s, dev, bytes);
+    if (!valid(e))
+        return -1;
+    struct vgpu_shared *s = lock_with_slot();
+    int ok = fits(s, e, bytes);
     if (!ok) {
         sweep_dead(s);
-        ok = fits(s, dev, bytes);
+        ok = fits(s, e, bytes);
     }
     if (ok)
-        add_used(s, dev, bytes);
-    unlock_shared(s, locked);
+        add_used(s, e, bytes);
+    unlock_budget(s);
     return ok ? 0 : -1;
 }
 
-void vgpu_budget_release(int dev, uint64_t bytes)
+void vgpu_budget_charge(int e, uint64_t bytes)
 {
-    int locked;
-    struct vgpu_shared *s = lock_with_slot(&locked);
-    if (my_slot >= 0) {
-        uint64_t mine = s->slots[my_slot].used[dev];
-        bytes = bytes < mine ? bytes : mine; /* never below zero */
-        s->slots[my_slot].used[dev] -= bytes;
-    }
-    s->used[dev] -= bytes < s->used[dev] ? bytes : s->used[dev];
-    unlock_shared(s, locked);
+    if (!valid(e))
+        return;
+    struct vgpu_shared *s = lock_with_slot();
+    add_used(s, e, bytes);
+    unlock_budget(s);
 }
 
-uint64_t vgpu_budget_used(int dev)
+void vgpu_budget_release(int e, uint64_t bytes)
 {
-    int locked;
-    struct vgpu_shared *s = lock_with_slot(&locked);
+    if (!valid(e))
+        return;
+    struct vgpu_shared *s = lock_with_slot();
+    if (my_slot >= 0) {
+        uint64_t mine = s->slots[my_slot].used[e];
+        bytes = bytes < mine ? bytes : mine; /* never below zero */
+        s->slots[my_slot].used[e] -= bytes;
+    }
+    s->used[e] -= bytes < s->used[e] ? bytes : s->used[e];
+    unlock_budget(s);
+}
+
+uint64_t vgpu_budget_used(int e)
+{
+    if (!valid(e))
+        return 0;
+    struct vgpu_shared *s = lock_with_slot();
     sweep_dead(s);
-    uint64_t used = s->used[dev];
-    unlock_shared(s, locked);
+    uint64_t used = s->used[e];
+    unlock_budget(s);
     return used;
 }
 
-int vgpu_budget_pids(int *pids, int max)
+int vgpu_budget_pids(struct vgpu_pid *out, int max)
 {
-    int locked, n = 0;
-    struct vgpu_shared *s = lock_with_slot(&locked);
+    int n = 0;
+    struct vgpu_shared *s = lock_with_slot();
     sweep_dead(s);
-    for (uint32_t i = 0; i < s->slot_hwm && i < VGPU_MAX_SLOTS && n < max; i++)
-        if (s->slots[i].pid != 0)
-            pids[n++] = s->slots[i].pid;
-    unlock_shared(s, locked);
+    uint32_t hwm = s->slot_hwm < VGPU_MAX_SLOTS ? s->slot_hwm : VGPU_MAX_SLOTS;
+    for (uint32_t i = 0; i < hwm && n < max; i++)
+        if (s->slots[i].pid != 0) {
+            out[n].pid = s->slots[i].pid;
+            out[n].host_pid = s->slots[i].host_pid;
+            n++;
+        }
+    unlock_budget(s);
     return n;
+}
+
+void vgpu_budget_set_host_pid(unsigned host_pid)
+{
+    struct vgpu_shared *s = lock_with_slot();
+    my_host_pid = host_pid;
+    if (my_slot >= 0)
+        s->slots[my_slot].host_pid = host_pid;
+    unlock_budget(s);
+}
+
+unsigned vgpu_budget_host_pid(void)
+{
+    return __atomic_load_n(&my_host_pid, __ATOMIC_RELAXED);
 }
 
 void vgpu_budget_after_fork(void)
 {
-    /* fcntl locks are not inherited: the child needs a slot of its own. */
     pthread_mutex_init(&attach_lock, NULL);
-    my_slot = NO_SLOT;
-    if (shm && shm_fd < 0) { /* a private budget: the child starts from zero */
+    my_slot = NO_SLOT; /* a slot of its own, under its own liveness lock */
+    my_host_pid = 0;
+    if (shm && !shm_private) {
+        /* The parent's open file, held by our descriptor and by our mapping,
+         * carries the parent's liveness lock: keeping either would keep the
+         * parent "alive" after it died.  The child attaches afresh if it uses
+         * the budget. */
+        munmap(shm, VGPU_SHARED_FILE_BYTES);
+        shm = NULL;
+        if (shm_fd >= 0)
+            close(shm_fd);
+        shm_fd = -1;
+    } else if (shm && shm_private) { /* a private budget: the child starts from zero */
         memset(shm->used, 0, sizeof(shm->used));
         memset(shm->slots, 0, sizeof(shm->slots));
+        shm->lock = 0;
     }
 }

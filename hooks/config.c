@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include "vgpu.h"
@@ -13,21 +14,37 @@
 #define JSON_MAX_DEPTH 32
 #define MEMORY_LIMIT_MAX_MIB (1ll << 30) /* 1 EiB: anything above is a typo */
 
-void vgpu_log(int *once, const char *fmt, ...)
+int vgpu_trace_on;
+
+/* One line "<prefix>...\n" on stderr, in a single write. */
+static void emit(const char *prefix, const char *fmt, va_list ap)
 {
-    if (once && __atomic_exchange_n(once, 1, __ATOMIC_RELAXED))
-        return;
     char buf[512];
-    int n = snprintf(buf, sizeof(buf), "vgpu: ");
-    va_list ap;
-    va_start(ap, fmt);
+    int n = snprintf(buf, sizeof(buf), "%s", prefix);
     n += vsnprintf(buf + n, sizeof(buf) - (size_t)n - 1, fmt, ap);
-    va_end(ap);
     if (n > (int)sizeof(buf) - 2)
         n = (int)sizeof(buf) - 2;
     buf[n++] = '\n';
     ssize_t rc = write(STDERR_FILENO, buf, (size_t)n);
     (void)rc;
+}
+
+void vgpu_trace(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    emit("vgpu trace: ", fmt, ap);
+    va_end(ap);
+}
+
+void vgpu_log(int *once, const char *fmt, ...)
+{
+    if (once && __atomic_exchange_n(once, 1, __ATOMIC_RELAXED))
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    emit("vgpu: ", fmt, ap);
+    va_end(ap);
 }
 
 /* ---- a tolerant reader of one top-level JSON object ---- */
@@ -190,14 +207,31 @@ static int checked(int found, long long v, long long lo, long long hi, const cha
         return 0;
     if (found > 0 && v >= lo && v <= hi)
         return 1;
-    vgpu_log(logged, "%s: %s is not an integer in [%lld, %lld]; no limit enforced for it", source,
+    vgpu_log(logged, "%s: %s is not an integer in [%lld, %lld]; ignored (no limit for it)", source,
              what, lo, hi);
     return 0;
 }
 
+/* VGPU_LOG_LEVEL: trace or debug switches tracing on; the others keep it off. */
+static void load_log_level(void)
+{
+    static int logged;
+    const char *level = getenv("VGPU_LOG_LEVEL");
+    if (!level || !*level)
+        return;
+    if (!strcasecmp(level, "trace") || !strcasecmp(level, "debug")) {
+        vgpu_trace_on = 1;
+        return;
+    }
+    if (strcasecmp(level, "info") && strcasecmp(level, "warning") && strcasecmp(level, "error"))
+        vgpu_log(&logged, "VGPU_LOG_LEVEL=%s is not one of trace, debug, info, warning, error; "
+                 "tracing stays off", level);
+}
+
 void vgpu_config_load(struct vgpu_config *cfg)
 {
-    static int logged_mem, logged_core;
+    static int logged_mem, logged_core, logged_overhead;
+    load_log_level();
     long long mem = 0, core = 0;
     int mem_found, core_found;
     const char *source, *mem_name = "memory_limit_mib", *core_name = "core_percent";
@@ -229,4 +263,15 @@ void vgpu_config_load(struct vgpu_config *cfg)
     cfg->core_percent = checked(core_found, core, 1, 100, core_name, source, &logged_core) && core < 100
                             ? (int)core
                             : 0;
+    /* The per-card context estimate comes from the Allocate answer's
+     * environment in both modes (it is not a limit). */
+    long long overhead = 0;
+    int overhead_found = env_int("VGPU_CONTEXT_OVERHEAD_MIB", &overhead);
+    cfg->context_overhead = checked(overhead_found, overhead, 0, 65536, "VGPU_CONTEXT_OVERHEAD_MIB",
+                                    "environment", &logged_overhead)
+                                ? (uint64_t)overhead * VGPU_MIB
+                                : 0;
+    VGPU_TRACE("limits: memory %llu MiB per card, core %d%%, context estimate %llu MiB",
+               cfg->memory_limit == VGPU_NO_LIMIT ? 0ull : (unsigned long long)(cfg->memory_limit / VGPU_MIB),
+               cfg->core_percent, (unsigned long long)(cfg->context_overhead / VGPU_MIB));
 }

@@ -1,23 +1,47 @@
 /*
- * Memory wrappers.  Every allocation reserves its bytes in the budget
- * before calling the driver and gives them back if the driver fails, so
+ * Memory wrappers.  Every allocation reserves its bytes in the budget of its
+ * card before calling the driver and gives them back if the driver fails, so
  * concurrent allocations can never overshoot together.  A per-process map
  * remembers what each pointer/handle took; a free gives back exactly that,
  * and a free of something unknown gives back nothing.
+ *
+ * Virtual memory: a cuMemCreate handle released while still mapped keeps its
+ * memory until its last cuMemUnmap, and is credited only then.
+ *
+ * Stream-ordered pools: what a pool really reserves is charged (the growth
+ * of CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), not the bytes handed out, and
+ * credited when it shrinks; the card is the pool's or the stream's.
  */
 #include <limits.h>
+#include <pthread.h>
 
 #include "vgpu.h"
-#include "vgpu_shared.h"
 
 #define PITCH_ALIGN 512 /* the driver's usual pitch alignment; corrected after the call */
 #define MAX_MIP_LEVELS 32
 
 static struct vgpu_map allocations = VGPU_MAP_INITIALIZER;
 
+#define MAX_POOLS 64
+
+typedef CUresult (*pool_get_attribute_fn)(CUmemoryPool, int, void *);
+typedef CUresult (*device_get_mem_pool_fn)(CUmemoryPool *, CUdevice);
+
+/* The pools this process allocated from, and what each is charged. */
+static struct pool {
+    CUmemoryPool handle;
+    int entry;        /* budget entry (card) */
+    uint64_t charged; /* its reserved bytes as last charged */
+} pools[MAX_POOLS];
+static int npools;
+static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void pools_forget(void);
+
 void vgpu_memory_after_fork(void)
 {
     vgpu_map_reset(&allocations);
+    pools_forget();
 }
 
 static inline int limited(void)
@@ -33,15 +57,25 @@ struct pending {
     uint64_t bytes;
 };
 
-/* Reserves `bytes` on `dev` (-1: the current context's device); 0 if granted. */
-static int reserve(struct pending *r, int dev, uint64_t bytes)
+static void pools_refresh(void);
+
+/* Reserves `bytes` on device `ordinal` (-1: the current context's); 0 if
+ * granted.  Before refusing, pools that shrank give their bytes back. */
+static int reserve(struct pending *r, int ordinal, uint64_t bytes)
 {
     r->active = limited();
     if (!r->active)
         return 0;
-    r->dev = dev >= 0 && dev < VGPU_MAX_DEVICES ? dev : vgpu_current_device();
+    r->dev = vgpu_device_entry(ordinal >= 0 ? ordinal : vgpu_current_ordinal());
     r->bytes = bytes;
-    return vgpu_budget_reserve(r->dev, bytes);
+    int rc = vgpu_budget_reserve(r->dev, bytes);
+    if (rc != 0 && __atomic_load_n(&npools, __ATOMIC_ACQUIRE)) {
+        pools_refresh();
+        rc = vgpu_budget_reserve(r->dev, bytes);
+    }
+    VGPU_TRACE("reserve %llu bytes on budget entry %d: %s", (unsigned long long)bytes, r->dev,
+               rc ? "refused" : "granted");
+    return rc;
 }
 
 /* After the driver call: keep the reservation for `key`, or undo it. */
@@ -54,7 +88,8 @@ static CUresult settle(struct pending *r, CUresult rc, int kind, uint64_t key)
         vgpu_budget_release(r->dev, r->bytes);
         return rc;
     }
-    struct vgpu_map_entry old, e = {.key = key, .size = r->bytes, .dev = r->dev, .kind = (uint8_t)kind};
+    struct vgpu_map_entry old,
+        e = {.key = key, .size = r->bytes, .dev = r->dev, .kind = (uint8_t)kind};
     int put = vgpu_map_put(&allocations, e, &old);
     if (put == 1) /* the driver reused a key we missed the free of */
         vgpu_budget_release(old.dev, old.size);
@@ -93,6 +128,8 @@ static CUresult released(CUresult rc, int had, const struct vgpu_map_entry *e)
     struct vgpu_map_entry old;
     if (!had)
         return rc;
+    VGPU_TRACE("free of %llu bytes on budget entry %d: rc %d", (unsigned long long)e->size, e->dev,
+               rc);
     if (rc == CUDA_SUCCESS)
         vgpu_budget_release(e->dev, e->size);
     else if (vgpu_map_put(&allocations, *e, &old) == 1)
@@ -176,40 +213,269 @@ VGPU_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned
     ACCOUNTED(-1, bytes, VGPU_KEY_PTR, *dptr, VGPU_REAL(cuMemAllocManaged, dptr, bytes, flags));
 }
 
+/* ---- stream-ordered pools ---- */
+
+static uint64_t pool_attribute(CUmemoryPool pool, int attribute)
+{
+    static void *f;
+    pool_get_attribute_fn get = __atomic_load_n(&f, __ATOMIC_ACQUIRE);
+    if (!get) {
+        get = (pool_get_attribute_fn)vgpu_cuda_sym("cuMemPoolGetAttribute");
+        __atomic_store_n(&f, (void *)get, __ATOMIC_RELEASE);
+    }
+    cuuint64_t v = 0;
+    if (!get || get(pool, attribute, &v) != CUDA_SUCCESS)
+        return UINT64_MAX;
+    return v;
+}
+
+static uint64_t pool_reserved(CUmemoryPool pool)
+{
+    return pool_attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+}
+
+/* How much the pool may have to grow to serve `bytes` (all of it if unknown). */
+static uint64_t pool_growth(CUmemoryPool pool, uint64_t bytes)
+{
+    uint64_t reserved = pool_reserved(pool),
+             used = pool_attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
+    if (reserved == UINT64_MAX || used == UINT64_MAX || used > reserved)
+        return bytes;
+    return bytes > reserved - used ? bytes - (reserved - used) : 0;
+}
+
+/* The pool's record (added on first use, on budget entry `entry`). */
+static struct pool *pool_of(CUmemoryPool handle, int entry)
+{
+    static int logged;
+    struct pool *p = NULL;
+    pthread_mutex_lock(&pools_lock);
+    for (int i = 0; i < npools && !p; i++)
+        if (pools[i].handle == handle)
+            p = &pools[i];
+    if (!p && entry >= 0) {
+        if (npools < MAX_POOLS) {
+            p = &pools[npools];
+            *p = (struct pool){handle, entry, 0};
+            __atomic_store_n(&npools, npools + 1, __ATOMIC_RELEASE);
+        } else {
+            vgpu_log(&logged, "more than %d memory pools: allocations from the others are "
+                     "charged by size", MAX_POOLS);
+        }
+    }
+    pthread_mutex_unlock(&pools_lock);
+    return p;
+}
+
+/* Charges the pool's growth, credits its shrinkage.  1 if the card's
+ * budget is over the limit afterwards. */
+static int pool_sync(struct pool *p)
+{
+    uint64_t now = pool_reserved(p->handle);
+    if (now == UINT64_MAX)
+        return 0;
+    pthread_mutex_lock(&pools_lock);
+    uint64_t before = p->charged;
+    p->charged = now;
+    pthread_mutex_unlock(&pools_lock);
+    if (now > before)
+        vgpu_budget_charge(p->entry, now - before);
+    else if (now < before)
+        vgpu_budget_release(p->entry, before - now);
+    if (now != before)
+        VGPU_TRACE("pool %p reserves %llu bytes (was %llu)", (void *)p->handle,
+                   (unsigned long long)now, (unsigned long long)before);
+    return vgpu_budget_used(p->entry) > vgpu_cfg.memory_limit;
+}
+
+static void pools_refresh(void)
+{
+    int n = __atomic_load_n(&npools, __ATOMIC_ACQUIRE);
+    for (int i = 0; i < n; i++)
+        pool_sync(&pools[i]);
+}
+
+static void pools_forget(void)
+{
+    pthread_mutex_init(&pools_lock, NULL);
+    npools = 0; /* the child's pools are new ones */
+}
+
+typedef CUresult (*free_async_fn)(CUdeviceptr, CUstream);
+
+/*
+ * An allocation from a pool: reserve the growth it may cause, allocate,
+ * then charge what the pool really reserves now.  If that is over the limit
+ * (the pool grew by more than asked), the allocation is undone, the pool
+ * trimmed, and the caller gets CUDA_ERROR_OUT_OF_MEMORY.
+ */
+#define POOLED(pool_in, stream, call, free_sym)                                                  \
+    do {                                                                                         \
+        if (!limited())                                                                          \
+            return (call);                                                                       \
+        int ordinal_ = vgpu_stream_ordinal(stream);                                              \
+        CUmemoryPool pool_ = (pool_in);                                                          \
+        struct pool *p_ = pool_ ? pool_of(pool_, -1) : NULL;                                     \
+        if (!pool_) {                                                                            \
+            device_get_mem_pool_fn get_ =                                                        \
+                (device_get_mem_pool_fn)vgpu_cuda_sym("cuDeviceGetMemPool");                     \
+            if (!get_ || get_(&pool_, ordinal_) != CUDA_SUCCESS)                                 \
+                pool_ = NULL;                                                                    \
+        }                                                                                        \
+        if (pool_ && !p_)                                                                        \
+            p_ = pool_of(pool_, vgpu_device_entry(ordinal_));                                    \
+        if (!p_) /* no pool to watch: charge by size */                                          \
+            ACCOUNTED(ordinal_, bytes, VGPU_KEY_PTR, *dptr, (call));                             \
+        struct pending r_ = {1, p_->entry, pool_growth(pool_, bytes)};                           \
+        if (vgpu_budget_reserve(r_.dev, r_.bytes) != 0) {                                        \
+            pools_refresh();                                                                     \
+            if (vgpu_budget_reserve(r_.dev, r_.bytes) != 0) {                                    \
+                VGPU_TRACE("pool allocation of %zu bytes: refused", bytes);                      \
+                return CUDA_ERROR_OUT_OF_MEMORY;                                                 \
+            }                                                                                    \
+        }                                                                                        \
+        CUresult rc_ = (call);                                                                   \
+        vgpu_budget_release(r_.dev, r_.bytes);                                                   \
+        if (rc_ != CUDA_SUCCESS)                                                                 \
+            return rc_;                                                                          \
+        if (pool_sync(p_)) {                                                                     \
+            free_async_fn free_ = (free_async_fn)vgpu_real(VGPU_H_##free_sym);                   \
+            if (free_)                                                                           \
+                free_(*dptr, stream);                                                            \
+            VGPU_REAL(cuMemPoolTrimTo, pool_, 0);                                                \
+            pool_sync(p_);                                                                       \
+            VGPU_TRACE("pool allocation of %zu bytes: the pool grew past the limit; undone",     \
+                       bytes);                                                                   \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                                     \
+        }                                                                                        \
+        struct vgpu_map_entry old_, e_ = {.key = *dptr, .size = 0, .aux = (uintptr_t)pool_,      \
+                                          .dev = p_->entry, .kind = VGPU_KEY_POOLPTR};           \
+        vgpu_map_put(&allocations, e_, &old_);                                                   \
+        VGPU_TRACE("pool allocation of %zu bytes on budget entry %d", bytes, p_->entry);         \
+        return rc_;                                                                              \
+    } while (0)
+
 VGPU_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream stream)
 {
-    ACCOUNTED(-1, bytes, VGPU_KEY_PTR, *dptr, VGPU_REAL(cuMemAllocAsync, dptr, bytes, stream));
+    POOLED(NULL, stream, VGPU_REAL(cuMemAllocAsync, dptr, bytes, stream), cuMemFreeAsync);
 }
 
 VGPU_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUstream stream)
 {
-    ACCOUNTED(-1, bytes, VGPU_KEY_PTR, *dptr, VGPU_REAL(cuMemAllocAsync_ptsz, dptr, bytes, stream));
+    POOLED(NULL, stream, VGPU_REAL(cuMemAllocAsync_ptsz, dptr, bytes, stream),
+           cuMemFreeAsync_ptsz);
 }
 
 VGPU_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool,
                                              CUstream stream)
 {
-    ACCOUNTED(-1, bytes, VGPU_KEY_PTR, *dptr,
-              VGPU_REAL(cuMemAllocFromPoolAsync, dptr, bytes, pool, stream));
+    POOLED(pool, stream, VGPU_REAL(cuMemAllocFromPoolAsync, dptr, bytes, pool, stream),
+           cuMemFreeAsync);
 }
 
 VGPU_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes,
                                                   CUmemoryPool pool, CUstream stream)
 {
-    ACCOUNTED(-1, bytes, VGPU_KEY_PTR, *dptr,
-              VGPU_REAL(cuMemAllocFromPoolAsync_ptsz, dptr, bytes, pool, stream));
+    POOLED(pool, stream, VGPU_REAL(cuMemAllocFromPoolAsync_ptsz, dptr, bytes, pool, stream),
+           cuMemFreeAsync_ptsz);
 }
+
+VGPU_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
+{
+    CUresult rc = VGPU_REAL(cuMemPoolCreate, pool, props);
+    if (rc == CUDA_SUCCESS && pool && props && limited() &&
+        props->location.type == CU_MEM_LOCATION_TYPE_DEVICE)
+        pool_of(*pool, vgpu_device_entry(props->location.id));
+    VGPU_TRACE("cuMemPoolCreate = %d", rc);
+    return rc;
+}
+
+VGPU_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    CUresult rc = VGPU_REAL(cuMemPoolDestroy, pool);
+    struct pool *p = rc == CUDA_SUCCESS ? pool_of(pool, -1) : NULL;
+    if (p) {
+        pthread_mutex_lock(&pools_lock);
+        uint64_t charged = p->charged;
+        int entry = p->entry;
+        *p = pools[npools - 1];
+        __atomic_store_n(&npools, npools - 1, __ATOMIC_RELEASE);
+        pthread_mutex_unlock(&pools_lock);
+        vgpu_budget_release(entry, charged);
+    }
+    VGPU_TRACE("cuMemPoolDestroy = %d", rc);
+    return rc;
+}
+
+VGPU_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
+{
+    CUresult rc = VGPU_REAL(cuMemPoolTrimTo, pool, keep);
+    struct pool *p = pool_of(pool, -1);
+    if (p)
+        pool_sync(p);
+    return rc;
+}
+
+/* ---- virtual memory ---- */
 
 VGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t bytes,
                                  const CUmemAllocationProp *prop, unsigned long long flags)
 {
     if (!prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return VGPU_REAL(cuMemCreate, handle, bytes, prop, flags); /* host memory */
-    int dev = prop->location.id >= 0 && prop->location.id < VGPU_MAX_DEVICES
-                  ? prop->location.id
-                  : VGPU_MAX_DEVICES - 1;
-    ACCOUNTED(dev, bytes, VGPU_KEY_HANDLE, *handle,
+    ACCOUNTED(prop->location.id, bytes, VGPU_KEY_HANDLE, *handle,
               VGPU_REAL(cuMemCreate, handle, bytes, prop, flags));
+}
+
+VGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                              CUmemGenericAllocationHandle handle, unsigned long long flags)
+{
+    CUresult rc = VGPU_REAL(cuMemMap, ptr, size, offset, handle, flags);
+    struct vgpu_map_entry old, gone;
+    if (rc == CUDA_SUCCESS && limited() && vgpu_map_handle(&allocations, handle, 1, 0, &gone)) {
+        struct vgpu_map_entry e = {.key = ptr, .size = size, .aux = handle,
+                                   .kind = VGPU_KEY_MAPPING};
+        vgpu_map_put(&allocations, e, &old);
+    }
+    VGPU_TRACE("cuMemMap(%#llx, %zu, handle %#llx) = %d", (unsigned long long)ptr, size,
+               (unsigned long long)handle, rc);
+    return rc;
+}
+
+VGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    CUresult rc = VGPU_REAL(cuMemUnmap, ptr, size);
+    VGPU_TRACE("cuMemUnmap(%#llx, %zu) = %d", (unsigned long long)ptr, size, rc);
+    if (rc != CUDA_SUCCESS || !limited())
+        return rc;
+    /* The range may span several mappings laid end to end. */
+    for (CUdeviceptr at = ptr; at < ptr + size;) {
+        struct vgpu_map_entry m, h;
+        if (!vgpu_map_take(&allocations, VGPU_KEY_MAPPING, at, &m))
+            break;
+        if (vgpu_map_handle(&allocations, m.aux, -1, 0, &h) == 2) {
+            VGPU_TRACE("last mapping of released handle %#llx gone: %llu bytes back",
+                       (unsigned long long)m.aux, (unsigned long long)h.size);
+            vgpu_budget_release(h.dev, h.size);
+        }
+        at += m.size ? m.size : size;
+    }
+    return rc;
+}
+
+VGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    struct vgpu_map_entry e;
+    /* Unmapped: out of the map now (the driver may hand the value out again
+     * at once), credited when the driver agrees.  Still mapped: marked; its
+     * memory is credited at its last cuMemUnmap. */
+    int state = limited() ? vgpu_map_handle(&allocations, handle, 0, 1, &e) : 0;
+    CUresult rc = VGPU_REAL(cuMemRelease, handle);
+    VGPU_TRACE("cuMemRelease(%#llx) = %d: %s", (unsigned long long)handle, rc,
+               state == 2 ? "credited" : state == 1 ? "still mapped" : "unknown");
+    if (state == 2)
+        return released(rc, 1, &e);
+    return rc;
 }
 
 /* The pitch is the driver's choice: reserve a guess, then correct it. */
@@ -285,19 +551,31 @@ VGPU_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
     RELEASED(VGPU_KEY_PTR, dptr, VGPU_REAL(cuMemFree_v2, dptr));
 }
 
+/* A pool allocation's free: the pool keeps (and is charged for) its
+ * reservation; what it gives back is credited. */
+#define FREED_ASYNC(call)                                                                        \
+    do {                                                                                         \
+        struct vgpu_map_entry e_, old_;                                                          \
+        if (limited() && vgpu_map_take(&allocations, VGPU_KEY_POOLPTR, dptr, &e_)) {             \
+            CUresult rc_ = (call);                                                               \
+            struct pool *p_ = pool_of((CUmemoryPool)(uintptr_t)e_.aux, -1);                      \
+            if (rc_ != CUDA_SUCCESS)                                                             \
+                vgpu_map_put(&allocations, e_, &old_);                                           \
+            else if (p_)                                                                         \
+                pool_sync(p_);                                                                   \
+            return rc_;                                                                          \
+        }                                                                                        \
+        RELEASED(VGPU_KEY_PTR, dptr, (call));                                                    \
+    } while (0)
+
 VGPU_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream)
 {
-    RELEASED(VGPU_KEY_PTR, dptr, VGPU_REAL(cuMemFreeAsync, dptr, stream));
+    FREED_ASYNC(VGPU_REAL(cuMemFreeAsync, dptr, stream));
 }
 
 VGPU_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream)
 {
-    RELEASED(VGPU_KEY_PTR, dptr, VGPU_REAL(cuMemFreeAsync_ptsz, dptr, stream));
-}
-
-VGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
-{
-    RELEASED(VGPU_KEY_HANDLE, handle, VGPU_REAL(cuMemRelease, handle));
+    FREED_ASYNC(VGPU_REAL(cuMemFreeAsync_ptsz, dptr, stream));
 }
 
 VGPU_EXPORT CUresult cuArrayDestroy(CUarray array)
@@ -316,6 +594,8 @@ VGPU_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray array)
  * driver's free), total = the limit (never above the card). */
 static void limit_info(int dev, uint64_t *free_bytes, uint64_t *total_bytes)
 {
+    if (__atomic_load_n(&npools, __ATOMIC_ACQUIRE))
+        pools_refresh();
     uint64_t limit = vgpu_cfg.memory_limit, used = vgpu_budget_used(dev);
     uint64_t avail = used < limit ? limit - used : 0;
     if (limit < *total_bytes)
@@ -332,10 +612,12 @@ static void limit_info(int dev, uint64_t *free_bytes, uint64_t *total_bytes)
         CUresult rc_ = VGPU_REAL(sym, free_bytes, total_bytes);                                  \
         if (rc_ == CUDA_SUCCESS && limited()) {                                                  \
             uint64_t f_ = *(free_bytes), t_ = *(total_bytes);                                    \
-            limit_info(vgpu_current_device(), &f_, &t_);                                         \
+            limit_info(vgpu_device_entry(vgpu_current_ordinal()), &f_, &t_);                                         \
             *(free_bytes) = f_;                                                                  \
             *(total_bytes) = t_;                                                                 \
         }                                                                                        \
+        VGPU_TRACE("%s = %d: free %llu, total %llu", #sym, rc_,                                  \
+                   (unsigned long long)*(free_bytes), (unsigned long long)*(total_bytes));       \
         return rc_;                                                                              \
     } while (0)
 
@@ -344,6 +626,7 @@ static void limit_info(int dev, uint64_t *free_bytes, uint64_t *total_bytes)
         CUresult rc_ = VGPU_REAL(sym, bytes, dev);                                               \
         if (rc_ == CUDA_SUCCESS && limited() && *(bytes) > vgpu_cfg.memory_limit)                \
             *(bytes) = vgpu_cfg.memory_limit;                                                    \
+        VGPU_TRACE("%s = %d: %llu bytes", #sym, rc_, (unsigned long long)*(bytes));              \
         return rc_;                                                                              \
     } while (0)
 

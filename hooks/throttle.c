@@ -1,47 +1,71 @@
 /*
- * Compute limit: a token bucket in front of every kernel launch.
+ * Compute limit: a token bucket of GPU time in front of every kernel launch.
  *
- * A background thread refills the bucket every REFILL_NS at `rate` launches
- * per second and, every CONTROL_NS, reads the SM utilisation of the
- * container's processes from NVML and corrects the rate:
- *     rate <- min(rate, observed launch rate) * clamp(limit / utilisation, 1/2, 2)
- * Until utilisation first exceeds the limit the bucket is not engaged at all
- * (launches pay one atomic increment); it disengages again when the rate it
- * allows is far above what the program launches.  Without NVML the limit
- * cannot be measured: one log line, and launches are never delayed.
+ * Tokens are nanoseconds of GPU time.  A background thread refills the
+ * bucket every REFILL_NS at `limit x gain` of real time and, every
+ * CONTROL_NS, reads SM utilisation from NVML for the container's own
+ * processes (by their host pids, which NVML reports):
+ *  - each launch costs its estimated GPU time: a kernel the mean measured
+ *    over the last period (this process's busy time / its launches), a graph
+ *    launch its own measured duration (CUDA events around a sample of its
+ *    launches), so a graph of many kernels is not charged as one small one;
+ *  - a launch waits while the bucket is empty and then takes its cost, which
+ *    may leave it in debt: a kernel longer than the refill period delays the
+ *    next launch by as long as it must, so long kernels converge too;
+ *  - every 200 ms, gain <- gain x clamp(limit / utilisation, 0.8, 1.25)
+ *    corrects what the estimates miss (other processes of the container,
+ *    overlap).
+ * Until the container's utilisation first exceeds the limit the bucket is not
+ * engaged (launches pay one atomic increment); it disengages again when the
+ * program uses far less than the bucket allows.  Without NVML, or without
+ * per-process utilisation (MIG), one line says the limit is not enforced.
  */
 #define _GNU_SOURCE
-#include <dlfcn.h>
+#include <pthread.h>
 #include <signal.h>
 #include <string.h>
 #include <time.h>
 
-#include "nvml_types.h"
 #include "vgpu.h"
-#include "vgpu_shared.h"
 
-#define NVML_LIBRARY "libnvidia-ml.so.1"
-#define REFILL_NS 5000000ll    /* 5 ms */
-#define CONTROL_EVERY 10       /* refills: control period 50 ms */
-#define MIN_RATE 10.0          /* launches/s: never starve a process entirely */
-#define BURST_SECONDS 0.02     /* the bucket holds 20 ms worth of launches */
+#define REFILL_NS 5000000ll  /* 5 ms */
+#define CONTROL_EVERY 10     /* refills: control period 50 ms */
+#define BURST_NS 20000000ll  /* the bucket holds 20 ms worth of the allowed rate */
 #define MAX_SAMPLES 512
-#define MAX_PIDS 256
+#define MAX_GRAPHS 64
+#define MEASURE_EVERY 16     /* graph launches between two measurements */
+#define WINDOW 4             /* control periods per gain step (200 ms) */
 
 enum { OFF_UNKNOWN, OFF, RUNNING };
 
 static struct {
-    nvmlDeviceGetProcessUtilization_fn get_util;
     nvmlDevice_t devices[VGPU_MAX_DEVICES];
     unsigned long long last_seen[VGPU_MAX_DEVICES];
     unsigned int device_count;
 } nvml;
 
 static int state = OFF_UNKNOWN;
-static int engaged;            /* the bucket is in force */
-static long long tokens;
-static unsigned long long launches;
+static int engaged;               /* the bucket is in force */
+static long long tokens;          /* ns of GPU time; negative = debt */
+static long long kernel_cost_ns = 100000; /* estimate per kernel launch */
+static unsigned long long kernel_launches;
+static long long graph_ns;        /* GPU time charged to graph launches this period */
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
+
+typedef CUresult (*event_create_fn)(CUevent *, unsigned int);
+typedef CUresult (*event_record_fn)(CUevent, CUstream);
+typedef CUresult (*event_query_fn)(CUevent);
+typedef CUresult (*event_elapsed_fn)(float *, CUevent, CUevent);
+
+static struct graph {
+    CUgraphExec exec;
+    long long cost_ns; /* measured; 0 = not yet */
+    CUevent start, end;
+    int pending, broken;
+    unsigned int launches;
+} graphs[MAX_GRAPHS];
+static int graph_victim;
+static pthread_mutex_t graph_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void sleep_ns(long long ns)
 {
@@ -56,56 +80,58 @@ static long long now_ns(void)
     return ts.tv_sec * 1000000000ll + ts.tv_nsec;
 }
 
-static int nvml_load(void)
+static int nvml_devices(void)
 {
     static int logged;
-    void *h = dlopen(NVML_LIBRARY, RTLD_NOW | RTLD_LOCAL);
-    nvmlInit_v2_fn init = h ? (nvmlInit_v2_fn)vgpu_dlsym_real(h, "nvmlInit_v2") : NULL;
-    nvmlDeviceGetCount_v2_fn count =
-        h ? (nvmlDeviceGetCount_v2_fn)vgpu_dlsym_real(h, "nvmlDeviceGetCount_v2") : NULL;
-    nvmlDeviceGetHandleByIndex_v2_fn by_index =
-        h ? (nvmlDeviceGetHandleByIndex_v2_fn)vgpu_dlsym_real(h, "nvmlDeviceGetHandleByIndex_v2")
-          : NULL;
-    nvml.get_util = h ? (nvmlDeviceGetProcessUtilization_fn)vgpu_dlsym_real(
-                            h, "nvmlDeviceGetProcessUtilization")
-                      : NULL;
     unsigned int n = 0;
-    if (!init || !count || !by_index || !nvml.get_util || init() != NVML_SUCCESS ||
-        count(&n) != NVML_SUCCESS || n == 0) {
-        vgpu_log(&logged, "NVML (%s) unavailable: compute limit of %d%% not enforced",
-                 NVML_LIBRARY, vgpu_cfg.core_percent);
+    if (vgpu_nvml_load() != 0 || !vgpu_nvml.utilization)
+        return -1;
+    if (vgpu_nvml.count(&n) != NVML_SUCCESS || n == 0) {
+        vgpu_log(&logged, "NVML sees no device: compute limit of %d%% not enforced",
+                 vgpu_cfg.core_percent);
         return -1;
     }
     for (unsigned int i = 0; i < n && nvml.device_count < VGPU_MAX_DEVICES; i++)
-        if (by_index(i, &nvml.devices[nvml.device_count]) == NVML_SUCCESS)
+        if (vgpu_nvml.by_index(i, &nvml.devices[nvml.device_count]) == NVML_SUCCESS)
             nvml.device_count++;
     return nvml.device_count ? 0 : -1;
 }
 
-static int is_ours(unsigned int pid, const int *pids, int npids)
+struct util {
+    double self;      /* this process */
+    double container; /* the container's processes */
+};
+
+static int find_pid(unsigned int pid, const struct vgpu_pid *pids, int npids)
 {
     for (int i = 0; i < npids; i++)
-        if ((unsigned int)pids[i] == pid)
+        if (pids[i].host_pid && pids[i].host_pid == pid)
             return 1;
     return 0;
 }
 
 /*
  * SM utilisation (percent) of one device's new samples: per process the mean
- * of its samples, summed over the container's processes.  If no sample is
- * from one of our pids (NVML reports host pids when the container has its own
- * PID namespace), the whole device's figure stands in, once logged.
- * Returns -1 when NVML has no new sample.
+ * of its samples; summed over the container's host pids, and this process's
+ * alone.  Returns -1 when NVML has no new sample, -2 when it has none to give
+ * (not supported, e.g. MIG).
  */
-static double device_util(unsigned int d, const int *pids, int npids)
+static int device_util(unsigned int d, const struct vgpu_pid *pids, int npids, unsigned self,
+                       struct util *out)
 {
     static int logged;
     static nvmlProcessUtilizationSample_t samples[MAX_SAMPLES]; /* controller thread only */
     unsigned int n = MAX_SAMPLES;
-    if (nvml.get_util(nvml.devices[d], samples, &n, nvml.last_seen[d]) != NVML_SUCCESS || n == 0)
+    nvmlReturn_t rc = vgpu_nvml.utilization(nvml.devices[d], samples, &n, nvml.last_seen[d]);
+    if (rc == NVML_ERROR_NOT_SUPPORTED)
+        return -2;
+    if (rc != NVML_SUCCESS || n == 0)
         return -1;
-    double ours = 0, all = 0;
-    int matched = 0;
+    double all = 0;
+    int known = 0;
+    *out = (struct util){0, 0};
+    for (int i = 0; i < npids; i++)
+        known |= pids[i].host_pid != 0;
     for (unsigned int i = 0; i < n && i < MAX_SAMPLES; i++) {
         if (samples[i].timeStamp > nvml.last_seen[d])
             nvml.last_seen[d] = samples[i].timeStamp;
@@ -119,29 +145,43 @@ static double device_util(unsigned int d, const int *pids, int npids)
         }
         if (!first)
             continue;
-        all += (double)sum / count;
-        if (is_ours(samples[i].pid, pids, npids)) {
-            ours += (double)sum / count;
-            matched = 1;
-        }
+        double u = (double)sum / count;
+        all += u;
+        if (find_pid(samples[i].pid, pids, npids))
+            out->container += u;
+        if (self && samples[i].pid == self)
+            out->self += u;
     }
-    if (!matched)
-        vgpu_log(&logged, "NVML reports none of this container's pids; throttling on the whole "
-                 "device's utilisation");
-    return matched ? ours : all;
+    if (!known) {
+        vgpu_log(&logged, "no host pid of this container is known (no context seen); "
+                 "throttling on the whole card's utilisation");
+        out->container = all;
+    }
+    if (!self)
+        out->self = out->container;
+    return 0;
 }
 
-static double container_util(void)
+/* The busiest device's figures; -1 without new samples, -2 if unsupported everywhere. */
+static int container_util(struct util *u)
 {
-    int pids[MAX_PIDS];
-    int npids = vgpu_budget_pids(pids, MAX_PIDS);
-    double util = -1;
+    static struct vgpu_pid pids[VGPU_MAX_SLOTS]; /* controller thread only */
+    int npids = vgpu_budget_pids(pids, VGPU_MAX_SLOTS);
+    unsigned self = vgpu_budget_host_pid();
+    int rc = -2;
+    *u = (struct util){-1, -1};
     for (unsigned int d = 0; d < nvml.device_count; d++) {
-        double u = device_util(d, pids, npids);
-        if (u > util)
-            util = u;
+        struct util du;
+        int r = device_util(d, pids, npids, self, &du);
+        if (r == -1 && rc == -2)
+            rc = -1;
+        if (r == 0) {
+            rc = 0;
+            if (du.container > u->container)
+                *u = du;
+        }
     }
-    return util;
+    return rc;
 }
 
 static double clamp(double v, double lo, double hi)
@@ -149,47 +189,99 @@ static double clamp(double v, double lo, double hi)
     return v < lo ? lo : v > hi ? hi : v;
 }
 
-/* One control step; returns the new rate (launches per second). */
-static double control(double rate, double observed, double util)
-{
-    double limit = vgpu_cfg.core_percent;
-    if (!__atomic_load_n(&engaged, __ATOMIC_RELAXED)) {
-        if (util <= limit)
-            return rate;
-        __atomic_store_n(&tokens, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&engaged, 1, __ATOMIC_RELEASE);
-        return clamp(observed * limit / util, MIN_RATE, 1e12);
-    }
-    double base = observed < rate ? observed : rate;
-    double next = clamp(base * clamp(util > 0 ? limit / util : 2, 0.5, 2), MIN_RATE, 1e12);
-    if (util < limit && next > 4 * observed + MIN_RATE) /* the bucket no longer binds */
-        __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
-    return next;
-}
-
 static void *controller(void *arg)
 {
+    static int logged;
     (void)arg;
-    double rate = 0, carry = 0;
-    unsigned long long seen = __atomic_load_n(&launches, __ATOMIC_RELAXED);
+    double limit = vgpu_cfg.core_percent, gain = 1;
+    unsigned long long seen = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
     long long since = now_ns();
+    int unsupported = 0;
+    /* A window of WINDOW control periods: utilisation averaged over it
+     * steers the gain and the kernel cost estimate. */
+    struct {
+        double util_ns, self_ns; /* utilisation x time */
+        long long dt, graphs_ns;
+        unsigned long long launches;
+        int periods;
+    } w = {0, 0, 0, 0, 0, 0};
     for (unsigned long tick = 1;; tick++) {
         sleep_ns(REFILL_NS);
         if (tick % CONTROL_EVERY == 0) {
-            long long t = now_ns();
-            unsigned long long count = __atomic_load_n(&launches, __ATOMIC_RELAXED);
-            double observed = (double)(count - seen) * 1e9 / (double)(t - since);
+            long long t = now_ns(), dt = t - since;
+            unsigned long long count = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
+            w.launches += count - seen;
+            w.graphs_ns += __atomic_exchange_n(&graph_ns, 0, __ATOMIC_RELAXED);
             seen = count;
             since = t;
-            double util = container_util();
-            if (util >= 0)
-                rate = control(rate, observed, util);
+            struct util u;
+            int rc = container_util(&u);
+            unsupported = rc == -2 ? unsupported + 1 : 0;
+            if (unsupported >= 3) {
+                vgpu_log(&logged, "NVML has no per-process utilisation for this device (MIG or "
+                         "unsupported): compute limit of %d%% not enforced", vgpu_cfg.core_percent);
+                __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
+                __atomic_store_n(&state, OFF, __ATOMIC_RELEASE);
+                return NULL;
+            }
+            if (rc != 0)
+                continue;
+            w.util_ns += u.container * (double)dt;
+            w.self_ns += u.self * (double)dt;
+            w.dt += dt;
+            int is_engaged = __atomic_load_n(&engaged, __ATOMIC_RELAXED);
+            if (!is_engaged && u.container > limit) { /* engage at once */
+                long long k = w.launches ? (long long)(u.self / 100 * (double)dt) /
+                                               (long long)(w.launches ? w.launches : 1)
+                                         : 0;
+                if (k > 1000)
+                    __atomic_store_n(&kernel_cost_ns, k, __ATOMIC_RELAXED);
+                gain = 1;
+                __atomic_store_n(&tokens, 0, __ATOMIC_RELAXED);
+                __atomic_store_n(&engaged, 1, __ATOMIC_RELEASE);
+                VGPU_TRACE("throttle engaged: utilisation %.1f%% > %d%%, kernel cost %lld ns",
+                           u.container, vgpu_cfg.core_percent,
+                           __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED));
+                w.util_ns = w.self_ns = 0;
+                w.dt = w.graphs_ns = 0;
+                w.launches = 0;
+                w.periods = 0;
+                continue;
+            }
+            if (++w.periods < WINDOW)
+                continue;
+            double util = w.util_ns / (double)w.dt, self = w.self_ns / (double)w.dt;
+            long long busy = (long long)(self / 100 * (double)w.dt);
+            if (w.launches > 0) {
+                long long k = (busy - w.graphs_ns) / (long long)w.launches;
+                k = k > 1000 ? k : 1000;
+                long long prev = __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED);
+                __atomic_store_n(&kernel_cost_ns, (prev + k) / 2, __ATOMIC_RELAXED);
+            }
+            if (is_engaged) {
+                long long spent = (long long)w.launches *
+                                      __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED) +
+                                  w.graphs_ns;
+                double allowed = limit / 100 * gain * (double)w.dt;
+                gain = clamp(gain * clamp(limit / (util > 0.5 ? util : 0.5), 0.8, 1.25), 0.02, 50);
+                if (util < limit && (double)spent * 4 < allowed &&
+                    __atomic_load_n(&tokens, __ATOMIC_RELAXED) >= 0) {
+                    __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
+                    VGPU_TRACE("throttle disengaged: utilisation %.1f%%", util);
+                }
+                VGPU_TRACE("throttle: utilisation %.1f%% (this process %.1f%%), gain %.3f, "
+                           "kernel cost %lld ns", util, self, gain,
+                           __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED));
+            }
+            w.util_ns = w.self_ns = 0;
+            w.dt = w.graphs_ns = 0;
+            w.launches = 0;
+            w.periods = 0;
         }
         if (!__atomic_load_n(&engaged, __ATOMIC_ACQUIRE))
             continue;
-        carry += rate * REFILL_NS / 1e9;
-        long long add = (long long)carry, cap = (long long)(rate * BURST_SECONDS) + 1;
-        carry -= (double)add;
+        long long add = (long long)(limit / 100 * gain * REFILL_NS),
+                  cap = (long long)(limit / 100 * gain * BURST_NS);
         long long cur = __atomic_load_n(&tokens, __ATOMIC_RELAXED);
         if (cur + add > cap)
             add = cap > cur ? cap - cur : 0;
@@ -203,7 +295,7 @@ static void start(void)
     pthread_mutex_lock(&start_lock);
     if (__atomic_load_n(&state, __ATOMIC_ACQUIRE) == OFF_UNKNOWN) {
         int next = OFF;
-        if (nvml.device_count || nvml_load() == 0) {
+        if (nvml.device_count || nvml_devices() == 0) {
             sigset_t all, old;
             pthread_t thread;
             pthread_attr_t attr;
@@ -221,31 +313,132 @@ static void start(void)
     pthread_mutex_unlock(&start_lock);
 }
 
-void vgpu_throttle_wait(void)
+/* 1 if launches are being controlled (and counted). */
+static inline int controlled(void)
 {
     vgpu_init();
     if (!vgpu_cfg.core_percent)
-        return;
+        return 0;
     int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
     if (__builtin_expect(s == OFF_UNKNOWN, 0)) {
         start();
         s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
     }
-    if (s != RUNNING)
-        return;
-    __atomic_fetch_add(&launches, 1, __ATOMIC_RELAXED);
-    while (__atomic_load_n(&engaged, __ATOMIC_ACQUIRE)) {
-        if (__atomic_sub_fetch(&tokens, 1, __ATOMIC_ACQUIRE) >= 0)
-            return;
-        __atomic_fetch_add(&tokens, 1, __ATOMIC_RELAXED);
-        sleep_ns(REFILL_NS / 2);
-    }
+    return s == RUNNING;
 }
+
+/* Waits for tokens, then takes `cost` ns of them (cost 0: a kernel's estimate). */
+static inline void wait_tokens(long long cost)
+{
+    if (__builtin_expect(!__atomic_load_n(&engaged, __ATOMIC_ACQUIRE), 1))
+        return;
+    long long waited = 0;
+    while (__atomic_load_n(&engaged, __ATOMIC_ACQUIRE)) {
+        if (__atomic_load_n(&tokens, __ATOMIC_ACQUIRE) > 0) {
+            __atomic_fetch_sub(&tokens,
+                               cost ? cost : __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED),
+                               __ATOMIC_ACQ_REL);
+            break;
+        }
+        sleep_ns(REFILL_NS / 2);
+        waited += REFILL_NS / 2;
+    }
+    VGPU_TRACE("launch waited %lld us for tokens", waited / 1000);
+}
+
+static inline void kernel_launch(void)
+{
+    if (!controlled())
+        return;
+    __atomic_fetch_add(&kernel_launches, 1, __ATOMIC_RELAXED);
+    wait_tokens(0);
+}
+
+/* ---- graphs: charged by their measured duration ---- */
+
+static void *driver_fn(void **cache, const char *name)
+{
+    void *f = __atomic_load_n(cache, __ATOMIC_ACQUIRE);
+    if (!f) {
+        f = vgpu_cuda_sym(name);
+        __atomic_store_n(cache, f, __ATOMIC_RELEASE);
+    }
+    return f;
+}
+
+/* Before a graph launch: its cost, and the record to measure it into (or NULL). */
+static long long graph_cost(CUgraphExec exec, struct graph **measure)
+{
+    static void *fq, *fe;
+    event_query_fn query = (event_query_fn)driver_fn(&fq, "cuEventQuery");
+    event_elapsed_fn elapsed = (event_elapsed_fn)driver_fn(&fe, "cuEventElapsedTime");
+    pthread_mutex_lock(&graph_lock);
+    struct graph *g = NULL;
+    for (int i = 0; i < MAX_GRAPHS && !g; i++)
+        if (graphs[i].exec == exec)
+            g = &graphs[i];
+    if (!g) { /* a new one takes the next record in turn, keeping its events */
+        g = &graphs[graph_victim];
+        graph_victim = (graph_victim + 1) % MAX_GRAPHS;
+        g->exec = exec;
+        g->cost_ns = 0;
+        g->pending = 0;
+        g->launches = 0;
+    }
+    float ms;
+    if (g->pending && query && elapsed && query(g->end) == CUDA_SUCCESS) {
+        g->pending = 0;
+        if (elapsed(&ms, g->start, g->end) == CUDA_SUCCESS && ms >= 0) {
+            long long measured = (long long)(ms * 1e6);
+            g->cost_ns = g->cost_ns ? (g->cost_ns + measured) / 2 : measured;
+            VGPU_TRACE("graph %p measured at %lld us", (void *)exec, measured / 1000);
+        }
+    }
+    long long cost = g->cost_ns;
+    *measure = !g->broken && !g->pending && g->launches++ % MEASURE_EVERY == 0 ? g : NULL;
+    pthread_mutex_unlock(&graph_lock);
+    return cost ? cost : __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED);
+}
+
+static int record(struct graph *g, CUevent *event, CUstream stream)
+{
+    static void *fc, *fr;
+    event_create_fn create = (event_create_fn)driver_fn(&fc, "cuEventCreate");
+    event_record_fn rec = (event_record_fn)driver_fn(&fr, "cuEventRecord");
+    if (!create || !rec || (!*event && create(event, 0) != CUDA_SUCCESS) ||
+        rec(*event, stream) != CUDA_SUCCESS) {
+        g->broken = 1; /* e.g. the stream is another context's: charged as kernels */
+        return -1;
+    }
+    return 0;
+}
+
+#define GRAPH(exec, stream, call)                                                                \
+    do {                                                                                         \
+        VGPU_TRACE("%s(%p)", __func__, (void *)(exec));                                          \
+        if (!controlled())                                                                       \
+            return (call);                                                                       \
+        struct graph *g_;                                                                        \
+        long long cost_ = graph_cost(exec, &g_);                                                 \
+        __atomic_fetch_add(&graph_ns, cost_, __ATOMIC_RELAXED);                                  \
+        wait_tokens(cost_);                                                                      \
+        if (g_ && record(g_, &g_->start, stream) != 0)                                           \
+            g_ = NULL;                                                                           \
+        CUresult rc_ = (call);                                                                   \
+        if (g_ && rc_ == CUDA_SUCCESS && record(g_, &g_->end, stream) == 0) {                    \
+            pthread_mutex_lock(&graph_lock);                                                     \
+            g_->pending = g_->exec == (exec);                                                    \
+            pthread_mutex_unlock(&graph_lock);                                                   \
+        }                                                                                        \
+        return rc_;                                                                              \
+    } while (0)
 
 void vgpu_throttle_after_fork(void)
 {
     /* The controller thread did not survive the fork; start it again lazily. */
     pthread_mutex_init(&start_lock, NULL);
+    pthread_mutex_init(&graph_lock, NULL);
+    memset(graphs, 0, sizeof(graphs)); /* their events are the parent's */
     if (state == RUNNING)
         state = OFF_UNKNOWN;
     engaged = 0;
@@ -255,8 +448,10 @@ void vgpu_throttle_after_fork(void)
 
 #define THROTTLED(call)                                                                          \
     do {                                                                                         \
-        vgpu_throttle_wait();                                                                    \
-        return (call);                                                                           \
+        kernel_launch();                                                                         \
+        CUresult rc_ = (call);                                                                   \
+        VGPU_TRACE("%s = %d", __func__, rc_);                                                    \
+        return rc_;                                                                              \
     } while (0)
 
 VGPU_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
@@ -303,12 +498,27 @@ VGPU_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int g
         VGPU_REAL(cuLaunchCooperativeKernel_ptsz, f, gx, gy, gz, bx, by, bz, shmem, s, params));
 }
 
+VGPU_EXPORT CUresult cuLaunch(CUfunction f)
+{
+    THROTTLED(VGPU_REAL(cuLaunch, f));
+}
+
+VGPU_EXPORT CUresult cuLaunchGrid(CUfunction f, int width, int height)
+{
+    THROTTLED(VGPU_REAL(cuLaunchGrid, f, width, height));
+}
+
+VGPU_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int width, int height, CUstream s)
+{
+    THROTTLED(VGPU_REAL(cuLaunchGridAsync, f, width, height, s));
+}
+
 VGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec exec, CUstream s)
 {
-    THROTTLED(VGPU_REAL(cuGraphLaunch, exec, s));
+    GRAPH(exec, s, VGPU_REAL(cuGraphLaunch, exec, s));
 }
 
 VGPU_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec exec, CUstream s)
 {
-    THROTTLED(VGPU_REAL(cuGraphLaunch_ptsz, exec, s));
+    GRAPH(exec, s, VGPU_REAL(cuGraphLaunch_ptsz, exec, s));
 }

@@ -6,20 +6,31 @@
 
 #include "alloc_map.h"
 #include "vgpu_hooks.h"
+#include "vgpu_shared.h"
 
 #define VGPU_EXPORT __attribute__((visibility("default")))
 #define VGPU_MIB (1024ull * 1024ull)
 #define VGPU_NO_LIMIT UINT64_MAX
 
-/* ---- log.c / config.c ---- */
+/* ---- config.c ---- */
 /* One line "vgpu: ..." on stderr.  `once` (may be NULL) makes it one-shot. */
 void vgpu_log(int *once, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* VGPU_LOG_LEVEL=trace (or debug): every intercepted call and decision on stderr. */
+extern int vgpu_trace_on;
+void vgpu_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+#define VGPU_TRACE(...)                                                                    \
+    do {                                                                                   \
+        if (__builtin_expect(vgpu_trace_on, 0))                                            \
+            vgpu_trace(__VA_ARGS__);                                                       \
+    } while (0)
 
 struct vgpu_config {
-    uint64_t memory_limit; /* bytes, or VGPU_NO_LIMIT */
-    int core_percent;      /* 1..99, or 0 = no compute limit */
+    uint64_t memory_limit;     /* bytes per card, or VGPU_NO_LIMIT */
+    int core_percent;          /* 1..99, or 0 = no compute limit */
+    uint64_t context_overhead; /* bytes charged per process and card when NVML cannot measure it */
 };
-/* Reads $VGPU_CONFIG, else $VGPU_MEMORY_LIMIT_MIB / $VGPU_CORE_LIMIT. */
+/* Reads $VGPU_CONFIG, else $VGPU_MEMORY_LIMIT_MIB / $VGPU_CORE_LIMIT; always
+ * $VGPU_CONTEXT_OVERHEAD_MIB and $VGPU_LOG_LEVEL. */
 void vgpu_config_load(struct vgpu_config *cfg);
 
 /* ---- init.c ---- */
@@ -32,16 +43,21 @@ static inline void vgpu_init(void)
         vgpu_init_slow();
 }
 
-/* ---- resolve.c: the real driver, dlsym and cuGetProcAddress ---- */
-#define VGPU_HOOK_DECL(sym, base, since, ptsz, params) VGPU_EXPORT CUresult sym params;
+/* ---- resolve.c: the real driver and NVML, dlsym and cuGetProcAddress ---- */
+#define VGPU_HOOK_DECL(sym, base, since, until, ptsz, params) VGPU_EXPORT CUresult sym params;
 VGPU_HOOK_LIST(VGPU_HOOK_DECL)
 #undef VGPU_HOOK_DECL
-/* glibc's own dlsym (our exported dlsym interposes it). */
+#define VGPU_NVML_DECL(sym, params) VGPU_EXPORT nvmlReturn_t sym params;
+VGPU_NVML_HOOK_LIST(VGPU_NVML_DECL)
+#undef VGPU_NVML_DECL
+/* The C library's own dlsym (our exported dlsym interposes it). */
 void *vgpu_dlsym_real(void *handle, const char *name);
 void *vgpu_real(enum vgpu_hook_id id);
-/* The driver's own cuCtxGetDevice, for attributing allocations. */
-int vgpu_current_device(void);
-/* Our wrapper for a pointer the driver handed out for `symbol`, or `p`. */
+void *vgpu_nvml_real(enum vgpu_nvml_hook_id id);
+/* A driver function the hook calls but does not intercept (NULL if absent). */
+void *vgpu_cuda_sym(const char *name);
+/* Our wrapper for a pointer the driver handed out for (symbol, version,
+ * flags), or `p` itself. */
 void *vgpu_wrap_proc(const char *symbol, void *p, int version, cuuint64_t flags);
 
 #define VGPU_REAL(sym, ...)                                                      \
@@ -50,22 +66,58 @@ void *vgpu_wrap_proc(const char *symbol, void *p, int version, cuuint64_t flags)
         real_ ? real_(__VA_ARGS__) : CUDA_ERROR_NOT_INITIALIZED;                 \
     })
 
-/* ---- budget.c: the container-wide memory budget ---- */
-void vgpu_budget_attach(void);  /* once, from init */
+/* ---- budget.c: the container-wide memory budget, one entry per card ---- */
 void vgpu_budget_after_fork(void);
-/* Reserve `bytes` on `dev`; 0 on success, -1 if over the limit. */
-int vgpu_budget_reserve(int dev, uint64_t bytes);
-void vgpu_budget_release(int dev, uint64_t bytes);
-/* Bytes the whole container holds on `dev` (after reclaiming dead slots). */
-uint64_t vgpu_budget_used(int dev);
-/* Pids of the container's live processes; returns how many (<= max). */
-int vgpu_budget_pids(int *pids, int max);
+/* The budget entry of a card UUID: found, else added when `add`; -1 if absent. */
+int vgpu_budget_entry(const char *uuid, int add);
+/* Reserve `bytes` on entry `e`; 0 on success, -1 if over the limit. */
+int vgpu_budget_reserve(int e, uint64_t bytes);
+/* Charge `bytes` whatever the limit (memory the driver already took). */
+void vgpu_budget_charge(int e, uint64_t bytes);
+void vgpu_budget_release(int e, uint64_t bytes);
+/* Bytes the whole container holds on entry `e` (after reclaiming dead slots). */
+uint64_t vgpu_budget_used(int e);
+struct vgpu_pid {
+    int pid;           /* in the container */
+    unsigned host_pid; /* as NVML reports it; 0 = not known */
+};
+/* The container's live processes; returns how many (<= max). */
+int vgpu_budget_pids(struct vgpu_pid *out, int max);
+/* This process's host pid, once learned (0 = not known). */
+void vgpu_budget_set_host_pid(unsigned host_pid);
+unsigned vgpu_budget_host_pid(void);
+
+/* ---- device.c: devices, contexts and streams ---- */
+/* The current context's device ordinal (0 if none). */
+int vgpu_current_ordinal(void);
+/* The budget entry of a device ordinal (keyed by the card's UUID). */
+int vgpu_device_entry(int ordinal);
+/* The device ordinal a stream belongs to. */
+int vgpu_stream_ordinal(CUstream stream);
+/* "GPU-..." (or the matching NVIDIA_VISIBLE_DEVICES entry) of an ordinal; 0 on success. */
+int vgpu_device_uuid(int ordinal, char out[VGPU_UUID_BYTES]);
+void vgpu_device_after_fork(void);
+
+/* ---- nvml.c ---- */
+struct vgpu_nvml_api {
+    nvmlDeviceGetCount_v2_fn count;
+    nvmlDeviceGetHandleByIndex_v2_fn by_index;
+    nvmlDeviceGetHandleByUUID_fn by_uuid;
+    nvmlDeviceGetUUID_fn uuid;
+    nvmlDeviceGetProcessUtilization_fn utilization;
+    nvmlDeviceGetComputeRunningProcesses_v3_fn processes;
+    nvmlDeviceGetMemoryInfo_fn memory;
+};
+extern struct vgpu_nvml_api vgpu_nvml;
+/* Loads and initialises NVML for the hook's own use, once; 0 if usable. */
+int vgpu_nvml_load(void);
+/* The compute processes NVML lists on the device (host pids). */
+int vgpu_nvml_processes(nvmlDevice_t dev, nvmlProcessInfo_v2_t *out, int max);
 
 /* ---- memory.c ---- */
 void vgpu_memory_after_fork(void);
 
 /* ---- throttle.c ---- */
-void vgpu_throttle_wait(void); /* before each kernel launch */
 void vgpu_throttle_after_fork(void);
 
 #endif

@@ -1,50 +1,72 @@
 /*
- * Layout of the file shared by all processes of one container
- * ($VGPU_SHARED_DIR/vgpu.shm, mmap'ed MAP_SHARED).  Bump VGPU_SHARED_VERSION
- * on any change; a process that finds another version falls back to a
- * per-process budget rather than misread the file.
+ * Layout of the budget file shared by all processes of one container
+ * ($VGPU_SHARED_DIR/vgpu.shm, mmap'ed MAP_SHARED).  The file has one fixed
+ * size, VGPU_SHARED_FILE_BYTES, which the daemon also knows
+ * (vgpu/adapters/budget.py; a test ties the two).  Bump VGPU_SHARED_VERSION
+ * on any change; a process that finds another version, size or garbage
+ * falls back to a per-process budget rather than misread the file.
+ *
+ * Every field has a fixed width and no pointer or pthread object lives here,
+ * so the layout is the same on every architecture and host-side readers
+ * need no knowledge of libc internals.
  *
  * Concurrency:
- *  - `lock` is a process-shared, robust pthread mutex guarding `used` and all
- *    slots.  A holder killed inside the critical section leaves it
- *    EOWNERDEAD; the next locker rebuilds `used` from the slots.
- *  - Each live process holds an fcntl write lock on byte
- *    VGPU_SLOT_LOCK_BASE + slot index of the file.  A slot whose lock can be
- *    taken belongs to a dead process (the kernel drops fcntl locks when the
- *    process dies, zombie or not), and its bytes are given back.
- *  - The file is created and initialised under an fcntl lock on byte 0.
+ *  - `lock` is a futex word guarding `used`, `devices` and all slots:
+ *    0 = free, else the owner's slot index + 1 (VGPU_LOCK_NO_SLOT for an
+ *    owner without a slot), VGPU_LOCK_WAITERS set while someone sleeps on it.
+ *    A waiter that finds the owner's slot dead (below) takes the lock over and
+ *    rebuilds `used` from the slots.
+ *  - Each live process holds an open-file-description (OFD) write lock on
+ *    byte VGPU_SLOT_LOCK_BASE + slot index.  A slot whose lock can be taken
+ *    belongs to a dead process (the kernel drops the lock when the last
+ *    descriptor of that open file goes, zombie or not; closing some other
+ *    descriptor of the same file does not drop it), and its bytes are given
+ *    back.
+ *  - The file is sized, allocated and initialised under an OFD lock on
+ *    byte 0.  A zero-filled file (magic 0), as the daemon pre-creates it, is
+ *    initialised by the first process.
  */
 #ifndef VGPU_SHARED_H
 #define VGPU_SHARED_H
 
-#include <pthread.h>
 #include <stdint.h>
 
 #define VGPU_SHARED_MAGIC 0x76475055u /* "UPGv" */
-#define VGPU_SHARED_VERSION 1u
+#define VGPU_SHARED_VERSION 2u
 #define VGPU_SHARED_FILE "vgpu.shm"
+/* The file's one size: sizeof(struct vgpu_shared) rounded up to 4 KiB. */
+#define VGPU_SHARED_FILE_BYTES 143360u
 #define VGPU_MAX_DEVICES 16
 #define VGPU_MAX_SLOTS 1024
-/* fcntl byte offsets: 0 = init lock, BASE + i = slot i liveness lock. */
+#define VGPU_UUID_BYTES 48 /* "GPU-" or "MIG-" + 36 hex/dash, NUL-padded */
+/* OFD lock byte offsets: 0 = init lock, BASE + i = slot i liveness lock. */
 #define VGPU_SLOT_LOCK_BASE 4096
+#define VGPU_LOCK_NO_SLOT 0xffffu
+#define VGPU_LOCK_WAITERS 0x80000000u
 
 struct vgpu_slot {
     int32_t pid;       /* 0 = free; the pid as seen inside the container */
-    uint32_t reserved;
-    uint64_t used[VGPU_MAX_DEVICES]; /* bytes this process holds, per device */
+    uint32_t host_pid; /* the pid NVML reports for it (0 = not known) */
+    uint64_t used[VGPU_MAX_DEVICES]; /* bytes this process holds, per device entry */
 };
 
 struct vgpu_shared {
-    uint32_t magic;        /* written last, once initialised */
+    uint32_t magic; /* written last, once initialised */
     uint32_t version;
-    uint32_t header_size;  /* sizeof(struct vgpu_shared) */
+    uint32_t file_bytes;   /* VGPU_SHARED_FILE_BYTES */
     uint32_t slot_count;   /* VGPU_MAX_SLOTS */
-    uint64_t limit_bytes;  /* limit of the process that created it (informational) */
     uint32_t slot_hwm;     /* slots [0, slot_hwm) have ever been used */
-    uint32_t pad;
-    pthread_mutex_t lock;
+    uint32_t device_count; /* entries of `devices` in use */
+    uint32_t lock;         /* futex word, see above */
+    uint32_t flags;
+    uint64_t limit_bytes;  /* limit of the process that initialised it (informational) */
     uint64_t used[VGPU_MAX_DEVICES]; /* sum of the slots' `used` */
+    char devices[VGPU_MAX_DEVICES][VGPU_UUID_BYTES]; /* card UUID of each device entry */
     struct vgpu_slot slots[VGPU_MAX_SLOTS];
 };
+
+_Static_assert(sizeof(struct vgpu_shared) <= VGPU_SHARED_FILE_BYTES &&
+                   sizeof(struct vgpu_shared) + 4096 > VGPU_SHARED_FILE_BYTES,
+               "VGPU_SHARED_FILE_BYTES must be sizeof(struct vgpu_shared) rounded up to 4 KiB");
 
 #endif

@@ -65,6 +65,8 @@ class Settings:
             return self.kubelet_plugin_dir
         return Path("/var/lib/kubelet/plugins") / f"vgpu.{self.resource_domain}"
 
+    context_overhead_mib: int = 0
+
     def public(self) -> dict[str, Any]:
         """The effective settings as plain data (for the start-up log and `config`)."""
         out: dict[str, Any] = {}
@@ -104,6 +106,9 @@ KEYS: dict[str, str] = {
     "kubelet_registry_dir": "dra: the kubelet's plugin-watcher directory",
     "kubelet_plugin_dir": "dra: the DRA socket dir; unset: /var/lib/kubelet/plugins/vgpu.<domain>",
     "cdi_dir": "dra: where CDI spec files are written for the container runtime",
+    "context_overhead_mib": (
+        "per-card CUDA context memory (MiB) the hook charges where NVML cannot measure it (0-65536)"
+    ),
 }
 _PATHS = {
     "mock_gpus",
@@ -177,6 +182,8 @@ def _convert(key: str, value: Any, source: str) -> Any:
         return _float(value, 0.0, 2.0, bad)
     if key == "reconcile_interval_s":
         return _float(value, 1.0, 3600.0, bad)
+    if key == "context_overhead_mib":
+        return _int(value, 0, 65536, bad)
     if key == "ignored_xids":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list | tuple):

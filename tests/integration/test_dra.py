@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from tests.conftest import MockGpusFile, cards
+from vgpu.adapters import budget
 from vgpu.cli.status import collect
 from vgpu.sim.draharness import DraSimNode
 from vgpu.sim.harness import wait_until
@@ -142,7 +143,10 @@ def test_prepared_claims_carry_the_limits_the_scheduler_allocated(make_dra: Fact
     assert fractional.env["VGPU_MEMORY_LIMIT_MIB"] == "10240"
     assert fractional.env["LD_PRELOAD"].startswith("/usr/local/vgpu/libvgpu-")
     assert fractional.mounts["/etc/vgpu"]["options"][0] == "ro"
-    assert fractional.mounts["/var/run/vgpu"]["options"][0] == "rw"
+    budget_mount = fractional.mounts["/var/run/vgpu/vgpu.shm"]
+    assert budget_mount["options"][0] == "rw"
+    # the daemon made the budget file before the container starts, at its size
+    assert Path(budget_mount["hostPath"]).stat().st_size == budget.FILE_BYTES
     assert fractional.mounts[fractional.env["LD_PRELOAD"]]["options"][0] == "ro"
     minor = allocations["slice"]["device"].removeprefix("gpu-")
     assert list(fractional.device_nodes) == [f"/dev/nvidia{minor}", *CONTROL]

@@ -35,7 +35,15 @@ def test_allocate_mounts_and_preloads_the_installed_hook(tmp_path: Path) -> None
         mounts = {m.container_path: m for m in c.mounts}
         assert mounts[in_container].host_path == str(first)
         assert mounts[in_container].read_only
-        assert not mounts["/var/run/vgpu"].read_only
+        # Only the budget file is mounted read-write, and it exists before the start.
+        budget_mount = mounts["/var/run/vgpu/vgpu.shm"]
+        assert not budget_mount.read_only
+        assert "/var/run/vgpu" not in mounts
+        budget_file = Path(budget_mount.host_path)
+        assert budget_file.is_file() and budget_file.stat().st_size == 143360
+        assert oct(budget_file.stat().st_mode & 0o777) == oct(0o666)
+        assert oct(budget_file.parent.stat().st_mode & 0o7777) == oct(0o755)
+        assert c.envs["VGPU_SHARED_DIR"] == "/var/run/vgpu"
         assert c.clashes == []
 
         whole = node.submit(node.pod("train", {node.core: 100}))

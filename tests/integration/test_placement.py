@@ -63,7 +63,9 @@ def test_core_and_memory_share_one_card_with_a_full_answer(node: SimNode, order:
         assert config.read_only
         assert Path(config.host_path).parent == node.state_dir / "containers"
         shared = [m for m in c.mounts if m.container_path != "/etc/vgpu" and not m.read_only]
-        assert shared and all(Path(m.host_path).is_dir() for m in shared)
+        # Only the budget file is writable, and it exists before the container starts.
+        assert [m.container_path for m in shared] == ["/var/run/vgpu/vgpu.shm"]
+        assert all(Path(m.host_path).is_file() for m in shared)
         minor = int(card[-12:])  # preset cards: minor == index == uuid tail
         assert {d.container_path for d in c.devices} == {
             f"/dev/nvidia{minor}",

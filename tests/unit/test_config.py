@@ -101,6 +101,7 @@ def test_unrelated_environment_is_ignored() -> None:
         ("metrics_address", "0.0.0.0:70000", "HOST:PORT"),
         ("ignored_xids", "13,x", "whole number"),
         ("state_dir", "", "cannot be empty"),
+        ("context_overhead_mib", "-1", "0 to 65536"),
     ],
 )
 def test_bad_values_name_key_source_and_allowed(key: str, value: str, allowed: str) -> None:
@@ -111,6 +112,11 @@ def test_bad_values_name_key_source_and_allowed(key: str, value: str, allowed: s
     assert f"environment {env_name}" in msg and key in msg and allowed in msg
     with pytest.raises(ConfigError, match=f"flag --{key.replace('_', '-')}"):
         load({key: value}, {})
+
+
+def test_context_overhead_estimate_reaches_the_settings() -> None:
+    assert Settings().context_overhead_mib == 0  # absent: nothing charged
+    assert load({"context_overhead_mib": "512"}, {}).context_overhead_mib == 512
 
 
 def test_unknown_flag_key_is_refused() -> None:

@@ -5,8 +5,8 @@ watch on the kubelet's device-plugin directory.
 Layout under --state-dir (must survive node reboots: the kubelet replays the
 saved Allocate answer, which points here, without calling Allocate again):
 
-    <state>/containers/<key>/config.json   limits + placement record (read-only in the container)
-    <state>/containers/<key>/shared/       the hook's per-container budget file (read-write)
+    <state>/containers/<key>/config.json      limits + placement record (read-only in the container)
+    <state>/containers/<key>/shared/vgpu.shm  the hook budget file (mounted alone, read-write)
 
 <key> is derived from the device IDs, never from a guessed pod.
 """
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vgpu.adapters import budget
 from vgpu.core.model import CardUuid, DeviceId, Owner, Placement, Resource
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,10 @@ class ContainerPaths:
     config_file: Path
     shared_dir: Path
 
+    @property
+    def budget_file(self) -> Path:
+        return self.shared_dir / budget.FILE_NAME
+
 
 class ContainerStore:
     """Per-container directories under <state>/containers."""
@@ -129,10 +134,12 @@ class ContainerStore:
 
     def write(self, placement: Placement) -> ContainerPaths:
         paths = self.paths(placement.key)
-        paths.shared_dir.mkdir(parents=True, exist_ok=True)
-        # The hook's budget file is shared by every process of the container,
-        # whatever user they run as.
-        os.chmod(paths.shared_dir, 0o1777)
+        paths.shared_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        # The budget file exists, at its size, before the container starts: only
+        # it is mounted, so the container has nothing else to write on the host.
+        repaired = budget.ensure(paths.budget_file)
+        if repaired:
+            log.warning("budget file of %s: %s", placement.key, repaired)
         body = json.dumps(placement_record(placement, self.memory_unit_mib), indent=1).encode()
         atomic_write(paths.config_file, body)
         return paths

@@ -41,6 +41,7 @@ SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         {"metavar": "DIR", "help": "dra: default /var/lib/kubelet/plugins/vgpu.<domain>"},
     ),
     ("--cdi-dir", {"metavar": "DIR", "help": "dra: CDI spec directory (default /var/run/cdi)"}),
+    ("--context-overhead-mib", {"metavar": "N", "help": "per-card context estimate (default 0)"}),
 ]
 
 

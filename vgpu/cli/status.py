@@ -6,16 +6,14 @@ records), so it works without an API server and after a daemon crash.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import platform
-import struct
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from vgpu.adapters import budget
 from vgpu.adapters.dra.state import ClaimStore
 from vgpu.adapters.fs import ContainerPaths, ContainerStore, placement_record
 from vgpu.core.dra import claim_key
@@ -23,65 +21,17 @@ from vgpu.core.model import Placement
 from vgpu.core.slicing import parse_device_id
 
 DEFAULT_STATE_DIR = Path("/var/lib/vgpu")
-HOOK_FILE = "vgpu.shm"
-HOOK_MAGIC = 0x76475055
-HOOK_VERSION = 1
-# struct vgpu_shared (hooks/vgpu_shared.h): 32 header bytes (slot_hwm at 24),
-# a pthread mutex, uint64 used[16], then the slots {int32 pid, uint32, uint64
-# used[16]}; slot i's owner holds an fcntl lock on byte SLOT_LOCK_BASE + i.
-_MUTEX_BYTES = {"x86_64": 40, "aarch64": 48}
-SLOT_BYTES = 8 + 16 * 8
-MAX_SLOTS = 1024
-SLOT_LOCK_BASE = 4096
 
 
 class StatusError(Exception):
     pass
 
 
-def _slot_alive(fd: int, slot: int) -> bool:
-    """Does a live process hold the fcntl lock on this slot? (F_GETLK, takes nothing)."""
-    probe = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, SLOT_LOCK_BASE + slot, 1, 0)
-    answer = fcntl.fcntl(fd, fcntl.F_GETLK, probe)
-    return bool(struct.unpack("hhqqi4x", answer)[0] != fcntl.F_UNLCK)
-
-
-def hook_usage_mib(shared_dir: Path) -> int | None:
-    """Memory the container's live processes hold, as the hook library records it.
-
-    Sums the slots of processes that still hold their slot lock, so a process
-    that exited or was killed no longer counts even before the hook reclaims
-    its slot. None when no hook ran there (or the layout is unknown).
-    """
-    mutex = _MUTEX_BYTES.get(platform.machine())
-    if mutex is None:
-        return None
-    slots_at = 32 + mutex + 16 * 8
-    try:
-        fd = os.open(shared_dir / HOOK_FILE, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        head = os.pread(fd, slots_at, 0)
-        if len(head) < slots_at:
-            return None
-        magic, version = struct.unpack_from("<II", head, 0)
-        if magic != HOOK_MAGIC or version != HOOK_VERSION:
-            return None
-        (slot_hwm,) = struct.unpack_from("<I", head, 24)
-        slot_hwm = min(slot_hwm, MAX_SLOTS)
-        raw = os.pread(fd, SLOT_BYTES * slot_hwm, slots_at)
-        total = 0
-        for i in range(len(raw) // SLOT_BYTES):
-            (pid,) = struct.unpack_from("<i", raw, i * SLOT_BYTES)
-            if pid and _slot_alive(fd, i):
-                used: tuple[int, ...] = struct.unpack_from("<16Q", raw, i * SLOT_BYTES + 8)
-                total += sum(used)
-        return total // (1024 * 1024)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+def hook_usage_mib(budget_file: Path) -> int | None:
+    """Memory the container's live processes hold, as the hook records it in its
+    budget file; None when unknown (no hook ran there, or the file is not a
+    budget file: never followed, never blocked on)."""
+    return budget.usage_mib(budget_file)
 
 
 def _card_entry(c: dict[str, Any], health: str | None = None) -> dict[str, Any]:
@@ -184,7 +134,7 @@ def _slice_entry(
         "core": p.core_percent,
         "whole_cards": p.whole,
         "memory_mib": p.memory_mib,
-        "memory_used_mib": hook_usage_mib(paths.shared_dir),
+        "memory_used_mib": hook_usage_mib(paths.budget_file),
         "age_s": max(0.0, now - p.created_s),
         "device_ids": device_ids,
         "config_path": str(paths.config_file),

@@ -15,7 +15,8 @@ from vgpu.core.model import CORE_UNITS_PER_CARD, Card, Placement
 
 CONFIG_MOUNT = "/etc/vgpu"  # the container's config directory (read-only)
 CONFIG_FILE = f"{CONFIG_MOUNT}/config.json"
-SHARED_MOUNT = "/var/run/vgpu"  # the hook's budget lives here
+SHARED_MOUNT = "/var/run/vgpu"  # VGPU_SHARED_DIR: the hook's budget file lives here
+BUDGET_FILE_NAME = "vgpu.shm"  # the one file mounted there (read-write), never the directory
 HOOK_MOUNT_DIR = "/usr/local/vgpu"  # the hook library, under its versioned name
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
@@ -44,9 +45,11 @@ class ContainerEdits:
     annotations: dict[str, str] = field(default_factory=dict)
 
 
-def limit_envs(placement: Placement) -> dict[str, str]:
+def limit_envs(placement: Placement, context_overhead_mib: int = 0) -> dict[str, str]:
     """The limit variables: VGPU_CORE_LIMIT for a fractional slice,
-    VGPU_MEMORY_LIMIT_MIB (per card) when memory is limited."""
+    VGPU_MEMORY_LIMIT_MIB (per card) when memory is limited, and
+    VGPU_CONTEXT_OVERHEAD_MIB, the per-card context memory the hook charges
+    where it cannot measure it (only when memory is limited and it is set)."""
     envs = {
         "NVIDIA_VISIBLE_DEVICES": ",".join(placement.cards),
         "VGPU_CONFIG": CONFIG_FILE,
@@ -56,6 +59,8 @@ def limit_envs(placement: Placement) -> dict[str, str]:
         envs["VGPU_CORE_LIMIT"] = str(placement.core_percent)
     if placement.memory_mib:
         envs["VGPU_MEMORY_LIMIT_MIB"] = str(placement.memory_mib)
+        if context_overhead_mib > 0:
+            envs["VGPU_CONTEXT_OVERHEAD_MIB"] = str(context_overhead_mib)
     return envs
 
 
@@ -66,12 +71,18 @@ def container_edits(
     config_dir: str,
     shared_dir: str,
     hook_path: str | None,
+    context_overhead_mib: int = 0,
 ) -> ContainerEdits:
-    """Everything the container gets: the one contract of both modes."""
-    envs = limit_envs(placement)
+    """Everything the container gets: the one contract of both modes.
+
+    `shared_dir` is the host directory holding the container's budget file; only
+    that file is mounted (read-write), so the container cannot create, link or
+    grow anything else on the host's disk through it.
+    """
+    envs = limit_envs(placement, context_overhead_mib)
     mounts = [
         MountSpec(CONFIG_MOUNT, config_dir, True),
-        MountSpec(SHARED_MOUNT, shared_dir, False),
+        MountSpec(f"{SHARED_MOUNT}/{BUDGET_FILE_NAME}", f"{shared_dir}/{BUDGET_FILE_NAME}", False),
     ]
     if hook_path is not None and not placement.whole:
         in_container = f"{HOOK_MOUNT_DIR}/{hook_path.rsplit('/', 1)[-1]}"

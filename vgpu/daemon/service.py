@@ -55,6 +55,7 @@ class ServiceOptions:
     ignored_xids: tuple[int, ...]
     api_wait_s: float
     hook_path: Path | None = None  # installed library on the host
+    context_overhead_mib: int = 0  # per-card context estimate passed to the hook
 
 
 class PluginService:
@@ -351,15 +352,18 @@ class PluginService:
             config_dir=str(paths.config_dir),
             shared_dir=str(paths.shared_dir),
             hook_path=str(hook) if hook is not None else None,
+            context_overhead_mib=self.options.context_overhead_mib,
         )
 
     def prestart(self, resource: Resource, device_ids: Sequence[str]) -> None:
-        """Re-create a container's config directory if it went missing."""
+        """Re-create a container's config directory or budget file if it went
+        missing: the saved Allocate answer mounts both."""
         ids = frozenset(device_ids)
         with self._lock:
             for placement in self.ledger.placements.values():
                 if placement.ids.get(resource) == ids:
-                    if not self.store.paths(placement.key).config_file.exists():
+                    paths = self.store.paths(placement.key)
+                    if not paths.config_file.exists() or not paths.budget_file.is_file():
                         self.store.write(placement)
                         log.warning("re-created the missing config of %s", placement.key)
                     return

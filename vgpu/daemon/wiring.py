@@ -25,6 +25,7 @@ from types import FrameType
 from typing import Any, Protocol
 
 from vgpu import __version__
+from vgpu.adapters import budget
 from vgpu.adapters.fs import ContainerStore, PluginDirWatcher, install_hook
 from vgpu.adapters.gpus import BackendError, CardReading, GpuBackend, MockBackend
 from vgpu.adapters.kube import KubePodCache, NoPods, PodSource
@@ -49,6 +50,7 @@ log = logging.getLogger("vgpu")
 KUBELET_MESSAGE_LIMIT_BYTES = 4 * 1024 * 1024
 MESSAGE_WARN_BYTES = 1024 * 1024
 USAGE_INTERVAL_S = 5.0
+BUDGET_CHECK_INTERVAL_S = 1.0  # how soon a grown budget file is cut back
 STOP_TIMEOUT_S = 4.0
 
 
@@ -152,6 +154,7 @@ class Daemon:
                 policy=settings.policy,
                 ignored_xids=settings.ignored_xids,
                 api_wait_s=settings.api_wait_s,
+                context_overhead_mib=settings.context_overhead_mib,
             ),
             self.store,
             self.pods,
@@ -245,6 +248,7 @@ class Daemon:
         self._spawn("plugin-dir-watch", self.watcher.run, self.stop, self._current_registration)
         self._spawn("reconcile", self._reconcile_loop)
         self._spawn("usage", self._usage_loop)
+        self._spawn("budget-watch", self._budget_loop)
 
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -315,6 +319,16 @@ class Daemon:
 
     def _usage_loop(self) -> None:
         usage_loop(self.backend, self.stop, self.service.set_readings)
+
+    def _budget_loop(self) -> None:
+        """A container's budget file must keep its one size: growth is an incident,
+        logged and cut back, every BUDGET_CHECK_INTERVAL_S (one fstat per file)."""
+        while not self.stop.wait(BUDGET_CHECK_INTERVAL_S):
+            for key in self.store.record_keys():
+                incident = budget.cut_back(self.store.paths(key).budget_file)
+                if incident:
+                    log.warning("budget file of %s: %s", key, incident)
+                    self._event("budget_file_incident", {"key": key})
 
     def _reconcile_loop(self) -> None:
         interval = self.settings.reconcile_interval_s

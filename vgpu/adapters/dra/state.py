@@ -4,7 +4,7 @@ Layout under --state-dir (next to the device plugin's, never mixed with it):
 
     <state>/dra/claims/<claim uid>.json        what was prepared: placements, CDI spec
     <state>/dra/containers/<key>/config.json   a request's limit config (ContainerStore)
-    <state>/dra/containers/<key>/shared/       the hook's budget directory
+    <state>/dra/containers/<key>/shared/vgpu.shm  the hook's budget file (only it is mounted)
 
 A record is written before the files it names, so a crash part-way leaves a
 record from which everything can be rewritten (next prepare, or start-up) or

@@ -1,0 +1,173 @@
+"""The hook's per-container budget file, host side: the only Python code that
+knows its layout (hooks/vgpu_shared.h; tests/hooks/test_layout.py ties the two).
+
+The daemon creates each container's file itself, at its one fixed size with its
+blocks allocated, before the container starts, and mounts only that file into
+the container. The container can write it, so every host-side read treats it as
+hostile: opened without following links or blocking, checked to be a regular
+file of the expected size, magic and version, read in one bounded amount.
+Anything else is "usage unknown" (None) for that one container.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import stat
+import struct
+from pathlib import Path
+
+from vgpu.core.contract import BUDGET_FILE_NAME
+
+FILE_NAME = BUDGET_FILE_NAME
+FILE_BYTES = 143360  # VGPU_SHARED_FILE_BYTES
+MAGIC = 0x76475055
+VERSION = 2
+MAX_DEVICES = 16
+MAX_SLOTS = 1024
+UUID_BYTES = 48
+SLOT_LOCK_BASE = 4096  # OFD lock byte of slot i: SLOT_LOCK_BASE + i, held while its process lives
+# struct vgpu_shared: 8 uint32 (magic, version, file_bytes, slot_count, slot_hwm,
+# device_count, lock, flags), uint64 limit_bytes, uint64 used[16], char devices[16][48],
+# then the slots {int32 pid, uint32 host_pid, uint64 used[16]}.
+HEADER = struct.Struct("<8IQ")
+USED_AT = HEADER.size
+DEVICES_AT = USED_AT + 8 * MAX_DEVICES
+SLOTS_AT = DEVICES_AT + UUID_BYTES * MAX_DEVICES
+SLOT = struct.Struct(f"<iI{MAX_DEVICES}Q")
+_FLOCK = "hhqqi4x"  # struct flock on Linux x86_64 / aarch64
+# Version 1 files (before the file had one fixed size) belong to containers that
+# still run the old hook, which maps exactly this size: never resize them.
+V1_SIZES = frozenset({139464, 139472})  # x86_64, aarch64 (the pthread mutex differs)
+_MIB = 1024 * 1024
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def ensure(path: Path) -> str | None:
+    """Make `path` this container's budget file: create it (zero-filled, fixed size,
+    blocks allocated, mode 0666 so every user of the container can share it), or
+    keep a good one (it holds live usage). Something else planted there (a link,
+    a FIFO, a directory) is replaced; a file that grew is cut back. Returns what
+    was repaired, for the caller to log, or None. OSError (e.g. ENOSPC) when the
+    file cannot be made: the container must not start without it.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        _create(path)
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "directory" if stat.S_ISDIR(st.st_mode) else "non-regular file"
+        if stat.S_ISDIR(st.st_mode):
+            os.rmdir(path)  # only an empty one; anything else fails loudly
+        else:
+            os.unlink(path)
+        _create(path)
+        return f"replaced a {kind} at {path}"
+    if st.st_size != FILE_BYTES:
+        return cut_back(path)
+    opened = _open_regular(path, os.O_RDWR)
+    if opened is not None:  # blocks a hole-punching tenant freed come back
+        try:
+            os.posix_fallocate(opened[0], 0, FILE_BYTES)
+        finally:
+            os.close(opened[0])
+    return None
+
+
+def _is_v1(fd: int, size: int) -> bool:
+    head = os.pread(fd, 8, 0) if size in V1_SIZES else b""
+    return len(head) == 8 and struct.unpack("<II", head) == (MAGIC, 1)
+
+
+def _create(path: Path) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o666)
+    try:
+        os.fchmod(fd, 0o666)  # whatever the umask: processes of other users join
+        os.posix_fallocate(fd, 0, FILE_BYTES)  # a full disk fails here, never as a SIGBUS
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
+
+
+def _open_regular(path: Path, mode: int) -> tuple[int, int] | None:
+    """(fd, size) of a regular file opened without following a link or blocking."""
+    try:
+        fd = os.open(path, mode | _OPEN_FLAGS)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st.st_size
+
+
+def cut_back(path: Path) -> str | None:
+    """A budget file of another size is an incident: cut it back (or fill it up)
+    to the fixed size, keeping its contents. Returns what was done, or None."""
+    opened = _open_regular(path, os.O_RDWR)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        if size == FILE_BYTES or _is_v1(fd, size):
+            return None
+        if size > FILE_BYTES:
+            os.ftruncate(fd, FILE_BYTES)
+        else:
+            os.posix_fallocate(fd, 0, FILE_BYTES)
+        return f"{path} was {size} bytes, not {FILE_BYTES}: cut back to size"
+    except OSError as exc:
+        return f"{path} is {exc.strerror or exc} and could not be cut back"
+    finally:
+        os.close(fd)
+
+
+def _slot_alive(fd: int, slot: int) -> bool:
+    """Does a live process hold this slot's liveness lock? (F_OFD_GETLK: takes nothing.)"""
+    probe = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, SLOT_LOCK_BASE + slot, 1, 0)
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe)
+    return bool(struct.unpack(_FLOCK, answer)[0] != fcntl.F_UNLCK)
+
+
+def usage_mib(path: Path) -> int | None:
+    """Memory the container's live processes hold, as the hook records it.
+
+    Sums the slots of processes that still hold their liveness lock, so a process
+    that exited or was killed no longer counts even before the hook reclaims its
+    slot. None when the file is missing, not a regular file, of another size,
+    layout or version, or unreadable: never follows a link, never blocks.
+    """
+    opened = _open_regular(path, os.O_RDONLY)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        if size != FILE_BYTES:
+            return None
+        data = os.pread(fd, FILE_BYTES, 0)
+        if len(data) != FILE_BYTES:
+            return None
+        magic, version, file_bytes, slot_count, slot_hwm, *_ = HEADER.unpack_from(data, 0)
+        if magic == 0:
+            return 0  # pre-created, no process has used it yet
+        if (magic, version, file_bytes, slot_count) != (MAGIC, VERSION, FILE_BYTES, MAX_SLOTS):
+            return None
+        total = 0
+        for i in range(min(slot_hwm, MAX_SLOTS)):
+            pid, _host_pid, *used = SLOT.unpack_from(data, SLOTS_AT + i * SLOT.size)
+            if pid and _slot_alive(fd, i):
+                total += sum(used)
+        return total // _MIB
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
