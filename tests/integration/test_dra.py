@@ -191,6 +191,20 @@ def test_prepare_is_idempotent_and_unprepare_removes_everything(dra: DraSimNode)
     assert twice.claims[run.claims[0][1]].error == "" and unknown.claims["0000-unknown"].error == ""
 
 
+def test_a_grown_budget_file_is_cut_back(dra: DraSimNode) -> None:
+    """DRA containers' budget files are watched like the device plugin's."""
+    dra.claim("grow", {"cores": "10", "memory": "1Gi"})
+    run = dra.run_pod("grower", ["grow"])
+    assert run.ok, run.reply
+    path = Path(run.edits["grow"].mounts["/var/run/vgpu/vgpu.shm"]["hostPath"])
+    with path.open("r+b") as fh:
+        fh.seek(50 * 2**20)
+        fh.write(b"x" * 2**20)  # the tenant filling the disk through its mount
+    assert wait_until(lambda: path.stat().st_size == budget.FILE_BYTES, timeout_s=10)
+    assert "cut back" in dra.log()
+    dra.end_pod(run)
+
+
 def _allocate_by_hand(dra: DraSimNode, name: str, results: list[dict[str, Any]]) -> str:
     stored = dra.claim(name)
 

@@ -43,6 +43,7 @@ from vgpu.core.dra import device_name, driver_name
 from vgpu.core.errors import ConfigError
 from vgpu.daemon.draservice import DraOptions, DraService
 from vgpu.daemon.wiring import (
+    budget_watch,
     build_backend,
     install_hook_library,
     run,
@@ -201,6 +202,7 @@ class DraDaemon:
         self._spawn("backend-watch", self._watch_backend)
         self._spawn("socket-watch", self._watch_sockets)
         self._spawn("usage", self._usage_loop)
+        self._spawn("budget-watch", budget_watch, self.service.store, self.stop, self._event)
 
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)

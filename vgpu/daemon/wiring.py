@@ -109,6 +109,22 @@ def watch_backend(
         log.exception("the GPU backend watch failed; health is no longer watched")
 
 
+def budget_watch(
+    store: ContainerStore,
+    stop: threading.Event,
+    event: Callable[[str, dict[str, Any]], None],
+) -> None:
+    """A container's budget file must keep its one size (both modes): growth is
+    an incident, logged and cut back, every BUDGET_CHECK_INTERVAL_S (one fstat
+    per file)."""
+    while not stop.wait(BUDGET_CHECK_INTERVAL_S):
+        for key in store.record_keys():
+            incident = budget.cut_back(store.paths(key).budget_file)
+            if incident:
+                log.warning("budget file of %s: %s", key, incident)
+                event("budget_file_incident", {"key": key})
+
+
 def usage_loop(
     backend: GpuBackend,
     stop: threading.Event,
@@ -321,14 +337,7 @@ class Daemon:
         usage_loop(self.backend, self.stop, self.service.set_readings)
 
     def _budget_loop(self) -> None:
-        """A container's budget file must keep its one size: growth is an incident,
-        logged and cut back, every BUDGET_CHECK_INTERVAL_S (one fstat per file)."""
-        while not self.stop.wait(BUDGET_CHECK_INTERVAL_S):
-            for key in self.store.record_keys():
-                incident = budget.cut_back(self.store.paths(key).budget_file)
-                if incident:
-                    log.warning("budget file of %s: %s", key, incident)
-                    self._event("budget_file_incident", {"key": key})
+        budget_watch(self.store, self.stop, self._event)
 
     def _reconcile_loop(self) -> None:
         interval = self.settings.reconcile_interval_s
