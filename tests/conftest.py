@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -53,6 +54,24 @@ class MockGpusFile(Protocol):
         fmt: str = "json",
         name: str = "gpus",
     ) -> Path: ...
+
+
+@pytest.fixture(scope="session")
+def hook_binaries() -> None:
+    """Builds hooks/ with the stand-in driver, NVML and probe programs, once per run.
+
+    Requested by tests/hooks/ and tests/adversarial/ through their conftest.py,
+    so that a fresh clone builds the binaries whichever test runs first.
+    """
+    for tool in ("gcc", "make", "objdump"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is required to build and test hooks/ (apt-get install it)")
+    hooks = Path(__file__).resolve().parents[1] / "hooks"
+    run = subprocess.run(
+        ["make", "-C", str(hooks), "test-bins"], capture_output=True, text=True, timeout=300
+    )
+    if run.returncode != 0:
+        pytest.fail(f"make -C hooks test-bins failed:\n{run.stdout}\n{run.stderr}")
 
 
 @pytest.fixture

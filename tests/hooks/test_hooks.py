@@ -36,18 +36,6 @@ KINDS = [
 CHARGE_64 = {kind: 80 if kind == "mipmap" else 64 for kind in KINDS}
 
 
-@pytest.fixture(scope="session", autouse=True)
-def built() -> None:
-    for tool in ("gcc", "make", "objdump"):
-        if shutil.which(tool) is None:
-            pytest.fail(f"{tool} is required to build and test hooks/ (apt-get install it)")
-    run = subprocess.run(
-        ["make", "-C", str(HOOKS), "test-bins"], capture_output=True, text=True, timeout=300
-    )
-    if run.returncode != 0:
-        pytest.fail(f"make -C hooks test-bins failed:\n{run.stdout}\n{run.stderr}")
-
-
 def base_env(*, nvml: bool = False, preload: bool = True) -> dict[str, str]:
     env = {
         k: v
