@@ -17,7 +17,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from vgpu.core.model import ContainerSpec, Request, Resource
+from vgpu.core.annotations import assignment_key, parse_assignment
+from vgpu.core.model import CardUuid, ContainerSpec, Request, Resource
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ def container_specs(pod: dict[str, Any], domain: str) -> list[ContainerSpec]:
         created_s = 0.0
     core_name = Resource.CORE.full_name(domain)
     mem_name = Resource.MEMORY.full_name(domain)
+    assigned = _assigned_cards(meta, spec, domain)
     out = []
     order = 0
     for init, key in ((True, "initContainers"), (False, "containers")):
@@ -136,9 +138,27 @@ def container_specs(pod: dict[str, Any], domain: str) -> list[ContainerSpec]:
                     created_s=created_s,
                     init=init,
                     order=order,
+                    assigned=assigned.get(str(container.get("name", ""))),
                 )
             )
     return out
+
+
+def _assigned_cards(
+    meta: dict[str, Any], spec: dict[str, Any], domain: str
+) -> dict[str, tuple[CardUuid, ...]]:
+    """The extender's assignment, if it names the node the pod is bound to."""
+    text = (meta.get("annotations") or {}).get(assignment_key(domain))
+    if not isinstance(text, str):
+        return {}
+    try:
+        assignment = parse_assignment(text)
+    except ValueError as exc:
+        log.debug("pod %s/%s: ignoring %s", meta.get("namespace"), meta.get("name"), exc)
+        return {}
+    if assignment.node != spec.get("nodeName"):
+        return {}  # bound elsewhere than the extender chose (e.g. by another scheduler)
+    return dict(assignment.containers)
 
 
 def _raw_watch() -> Any:
