@@ -161,6 +161,19 @@ def _assigned_cards(
     return dict(assignment.containers)
 
 
+def core_v1_api(kubeconfig: Path | None) -> Any:
+    """A CoreV1Api for the kubeconfig file, or the in-cluster service account."""
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    if kubeconfig is not None:
+        config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
+    else:
+        config.load_incluster_config(client_configuration=cfg)
+    cfg.retries = False
+    return client.CoreV1Api(client.ApiClient(cfg))
+
+
 def _raw_watch() -> Any:
     """A client Watch that hands out raw dicts: we read only the JSON, and
     building a model object per event costs CPU and memory for nothing."""
@@ -203,16 +216,7 @@ class KubePodCache:
 
     def _client(self) -> Any:
         if self._api is None:
-            from kubernetes import client, config
-
-            if self.kubeconfig is not None:
-                cfg = client.Configuration()
-                config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=cfg)
-            else:
-                cfg = client.Configuration()
-                config.load_incluster_config(client_configuration=cfg)
-            cfg.retries = False
-            self._api = client.CoreV1Api(client.ApiClient(cfg))
+            self._api = core_v1_api(self.kubeconfig)
         return self._api
 
     # ------------------------------------------------------------- reads
@@ -382,3 +386,99 @@ class KubePodCache:
                     )
                     if stop.wait(min(2**attempt * 0.5, 10)):
                         return
+
+
+class NodePublisher(Protocol):
+    """Publishes annotations on this node's Node object."""
+
+    def publish(self, annotations: dict[str, str]) -> None:
+        """Queue the latest value (best effort, off the hot path; older values are dropped)."""
+        ...
+
+    def start(self, stop: threading.Event) -> None: ...
+
+
+class NoNodePublisher:
+    """No API server configured: nothing is published."""
+
+    def publish(self, annotations: dict[str, str]) -> None:
+        return None
+
+    def start(self, stop: threading.Event) -> None:
+        return None
+
+
+class KubeNodePublisher:
+    """Patches annotations on one Node when they change; retries with backoff.
+
+    Only the latest value is kept: a change while the API server is down is
+    published once it is back. Before patching, the Node is read, and a value
+    already there is not written again (a restarted daemon patches nothing).
+    """
+
+    def __init__(self, node_name: str, kubeconfig: Path | None, backoff_max_s: float = 30.0):
+        self.node_name = node_name
+        self.kubeconfig = kubeconfig
+        self.backoff_max_s = backoff_max_s
+        self._cond = threading.Condition()
+        self._wanted: dict[str, str] | None = None
+        self._api: Any = None
+        self.patches = 0
+
+    def publish(self, annotations: dict[str, str]) -> None:
+        with self._cond:
+            self._wanted = dict(annotations)
+            self._cond.notify_all()
+
+    def start(self, stop: threading.Event) -> None:
+        def wake() -> None:
+            stop.wait()
+            with self._cond:
+                self._cond.notify_all()
+
+        threading.Thread(target=wake, name="node-publish-stop", daemon=True).start()
+        threading.Thread(target=self._loop, args=(stop,), name="node-publish", daemon=True).start()
+
+    def _loop(self, stop: threading.Event) -> None:
+        backoff = 0.5
+        while not stop.is_set():
+            with self._cond:
+                self._cond.wait_for(lambda: self._wanted is not None or stop.is_set())
+                wanted, self._wanted = self._wanted, None
+            if wanted is None:
+                return
+            try:
+                self._patch(wanted)
+                backoff = 0.5
+            except Exception as exc:  # client, urllib3 and socket errors alike
+                status = getattr(exc, "status", None)
+                log.warning(
+                    "cannot annotate node %s (%s), retrying in %.1fs",
+                    self.node_name,
+                    f"HTTP {status}" if status else type(exc).__name__,
+                    backoff,
+                )
+                with self._cond:
+                    if self._wanted is None:
+                        self._wanted = wanted  # unless a newer value came meanwhile
+                if stop.wait(backoff):
+                    return
+                backoff = min(backoff * 2, self.backoff_max_s)
+
+    def _patch(self, wanted: dict[str, str]) -> None:
+        if self._api is None:
+            self._api = core_v1_api(self.kubeconfig)
+        reply = self._api.read_node(self.node_name, _preload_content=False, _request_timeout=5)
+        current = (json.loads(reply.data).get("metadata") or {}).get("annotations") or {}
+        if all(current.get(k) == v for k, v in wanted.items()):
+            return
+        reply = self._api.patch_node(
+            self.node_name,
+            {"metadata": {"annotations": wanted}},
+            _request_timeout=5,
+            _preload_content=False,
+        )
+        reply.read()
+        reply.release_conn()
+        self.patches += 1
+        log.info("published %s on node %s", ", ".join(sorted(wanted)), self.node_name)

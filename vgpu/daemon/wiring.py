@@ -27,7 +27,14 @@ from typing import Any
 from vgpu import __version__
 from vgpu.adapters.fs import ContainerStore, PluginDirWatcher, install_hook
 from vgpu.adapters.gpus import BackendError, GpuBackend, MockBackend
-from vgpu.adapters.kube import KubePodCache, NoPods, PodSource
+from vgpu.adapters.kube import (
+    KubeNodePublisher,
+    KubePodCache,
+    NodePublisher,
+    NoNodePublisher,
+    NoPods,
+    PodSource,
+)
 from vgpu.adapters.kubelet.servicer import (
     DevicePluginServicer,
     PluginServer,
@@ -78,6 +85,13 @@ def build_pods(settings: Settings, on_gone: Callable[[], None]) -> PodSource:
     return KubePodCache(settings.node_name, settings.resource_domain, settings.kubeconfig, on_gone)
 
 
+def build_node_publisher(settings: Settings, pods: PodSource) -> NodePublisher:
+    """The Node annotator goes with the pod cache: both need the API server."""
+    if not pods.enabled or not settings.node_name:
+        return NoNodePublisher()
+    return KubeNodePublisher(settings.node_name, settings.kubeconfig)
+
+
 class Daemon:
     """Everything `vgpu serve` runs."""
 
@@ -89,6 +103,7 @@ class Daemon:
         self.store = ContainerStore(settings.state_dir, settings.memory_unit_mib)
         self._reconcile_now = threading.Event()
         self.pods = build_pods(settings, self._reconcile_now.set)
+        self.node_publisher = build_node_publisher(settings, self.pods)
         self.podresources = PodResourcesClient(settings.pod_resources_socket)
         self.metrics: Any = None
         self.service = PluginService(
@@ -104,6 +119,7 @@ class Daemon:
             self.podresources,
             node_file=settings.state_dir / "node.json",
             events=self._event,
+            node_publisher=self.node_publisher,
         )
         self.options = pb.DevicePluginOptions(
             pre_start_required=False, get_preferred_allocation_available=True
@@ -187,6 +203,7 @@ class Daemon:
             log.info("hook library installed as %s", hook)
         self.service.recover()
         self.pods.start(self.stop)
+        self.node_publisher.start(self.stop)
         if s.metrics_address:
             from vgpu.daemon.metrics import Metrics
 
