@@ -125,7 +125,7 @@ def test_filter_reasons_for_nodes_that_can_never_take_the_pod() -> None:
     assert "even with every card free" in verdict.unresolvable["gpu"]
     assert verdict.unresolvable["sick"] == "vgpu: no healthy vgpu card on this node"
     assert "not JSON" in verdict.unresolvable["broken"]
-    assert "no vgpu-node annotation" in verdict.unresolvable["cpu-only"]
+    assert "no vendor.io/vgpu-node annotation" in verdict.unresolvable["cpu-only"]
     invalid = b.filter(specs((30, 0)), ["gpu"])
     assert "must come with vendor.io/vcuda-memory" in invalid.unresolvable["gpu"]
 

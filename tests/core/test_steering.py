@@ -110,3 +110,47 @@ def test_container_specs_read_the_assignment(
 ) -> None:
     (s,) = container_specs(_pod(annotation, node), "vendor.io")
     assert s.assigned == expected
+
+
+def test_a_whole_card_assignment_to_a_card_in_use_is_refused_for_a_recheck() -> None:
+    led = Ledger(cards(2), memory_unit_mib=UNIT)
+    k = Kubelet(led)
+    k.admit(assigned(spec(0, 8), 1))  # a memory slice on card 1
+    with pytest.raises(InsufficientCapacity, match=r"card 1 .* is in use on this node"):
+        k.admit(assigned(spec(100), 1))
+    whole = k.admit(assigned(spec(100), 0))
+    with pytest.raises(InsufficientCapacity, match="held whole on this node"):
+        k.admit(assigned(spec(10, 8), 0))
+    assert whole.cards == (cards(2)[0].uuid,)
+
+
+@pytest.mark.parametrize("memory_first", [False, True], ids=["core-first", "memory-first"])
+def test_a_reused_resource_completes_its_container(memory_first: bool) -> None:
+    """An app container whose memory is its init container's IDs (no
+    GetPreferredAllocation for it) must not leave the next pod's call to join it."""
+    led = Ledger(cards(2), memory_unit_mib=UNIT)
+    k = Kubelet(led)
+    uid = "pod-with-init"
+    init = replace(spec(20, 20, name="init"), pod_uid=uid, pod="p1", init=True, order=1)
+    main = replace(spec(40, 20, name="main"), pod_uid=uid, pod="p1", order=2)
+    both = [init, main]
+    first = k.admit(init, candidates=both)
+    reused_mem = sorted(first.ids[MEM])
+    reused_core = sorted(first.ids[CORE])
+
+    def core_call() -> None:
+        ids, _ = led.preferred(CORE, k.available(CORE) + reused_core, reused_core, 40, both)
+        led.allocate(CORE, ids, both)
+        k.held |= set(ids)
+
+    if memory_first:
+        assert led.allocate(MEM, reused_mem, both) == led.placements[first.key]
+        core_call()
+    else:
+        core_call()
+        assert led.allocate(MEM, reused_mem, both) == led.placements[first.key]
+    # The next pod asks the same memory first: it is a new container, steered to its card.
+    other = assigned(spec(10, 20), 1)
+    placed = k.admit(other, [MEM, CORE], candidates=[other])
+    assert placed.cards == (cards(2)[1].uuid,)
+    assert len(placed.ids.get(MEM, ())) == 20  # both resources in one placement, on card 1

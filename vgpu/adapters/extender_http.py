@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -153,6 +154,12 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], edge: ExtenderHttp) -> None:
         self.edge = edge
         super().__init__(address, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            return  # the client went away mid-answer: nothing to tell anyone
+        log.error("extender HTTP connection failed", exc_info=exc)
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -35,7 +35,8 @@ class PodSource(Protocol):
     enabled: bool  # False: no API server configured at all
 
     def candidates(self) -> list[ContainerSpec]:
-        """Containers of pods on this node still being admitted (phase Pending), oldest first."""
+        """Containers of pods on this node still being admitted (phase Pending), in the
+        order the kubelet admits them: as the pods were bound here, then oldest first."""
         ...
 
     def synced(self) -> bool:
@@ -174,6 +175,14 @@ def core_v1_api(kubeconfig: Path | None) -> Any:
     return client.CoreV1Api(client.ApiClient(cfg))
 
 
+def _rv_number(meta: dict[str, Any]) -> int:
+    """A resourceVersion as a number for ordering (etcd's are; 0 when not)."""
+    try:
+        return int(str(meta.get("resourceVersion", "")))
+    except ValueError:
+        return 0
+
+
 def _raw_watch() -> Any:
     """A client Watch that hands out raw dicts: we read only the JSON, and
     building a model object per event costs CPU and memory for nothing."""
@@ -206,6 +215,7 @@ class KubePodCache:
         self.backoff_max_s = backoff_max_s
         self._pods: dict[str, dict[str, Any]] = {}  # uid -> pod JSON
         self._specs: dict[str, list[ContainerSpec]] = {}
+        self._arrival: dict[str, int] = {}  # uid -> resourceVersion when first seen
         self._cond = threading.Condition()
         self._synced = False
         self._version = 0
@@ -222,9 +232,17 @@ class KubePodCache:
     # ------------------------------------------------------------- reads
 
     def candidates(self) -> list[ContainerSpec]:
+        # The kubelet admits pods as they reach it from its own watch of this node
+        # (sorting only pods that arrive together by creation time), i.e. in the
+        # order they were bound here: by the resourceVersion we first saw them at
+        # (a pending pod's is its binding's), then by creation time.
         with self._cond:
             specs = [s for specs in self._specs.values() for s in specs]
-        return sorted(specs, key=lambda s: (s.created_s, s.namespace, s.pod, s.order))
+            arrival = dict(self._arrival)
+        return sorted(
+            specs,
+            key=lambda s: (arrival.get(s.pod_uid, 0), s.created_s, s.namespace, s.pod, s.order),
+        )
 
     def synced(self) -> bool:
         return self._synced
@@ -278,8 +296,11 @@ class KubePodCache:
             if gone:
                 existed = self._pods.pop(uid, None) is not None
                 self._specs.pop(uid, None)
+                self._arrival.pop(uid, None)
             else:
                 existed = False
+                if uid not in self._arrival:
+                    self._arrival[uid] = _rv_number(meta)
                 self._pods[uid] = obj
                 if phase == "Pending" and not meta.get("deletionTimestamp"):
                     self._specs[uid] = container_specs(obj, self.domain)
@@ -303,9 +324,13 @@ class KubePodCache:
                         field_selector=selector, _preload_content=False, _request_timeout=10
                     )
                     data = json.loads(reply.data)
+                    listed = {
+                        str((i.get("metadata") or {}).get("uid", "")) for i in data.get("items", [])
+                    }
                     with self._cond:
                         self._pods.clear()
                         self._specs.clear()
+                        self._arrival = {u: n for u, n in self._arrival.items() if u in listed}
                     for item in data.get("items", []):
                         self._apply("ADDED", item)
                     resource_version = data["metadata"]["resourceVersion"]

@@ -73,8 +73,8 @@ def node_inventory(node: dict[str, Any], domain: str) -> tuple[NodeInventory | N
     text = ((node.get("metadata") or {}).get("annotations") or {}).get(node_key(domain))
     if text is None:
         return None, (
-            f"no {node_key(domain)} annotation: vgpu serve is not running on this node "
-            f"(or uses another resource domain than {domain})"
+            f"no {node_key(domain)} annotation: vgpu serve is not running on this "
+            f"node (or uses another resource domain than {domain})"
         )
     try:
         return parse_inventory(str(text)), ""

@@ -109,6 +109,8 @@ class Ledger:
         self._card_keys: dict[CardUuid, set[str]] = {}
         self.set_cards(cards)
         self._pending: _Pending | None = None
+        # (pod uid, resource) of a reuse that came before its container's first call.
+        self._reused_first: tuple[str, Resource] | None = None
         self._claimed: set[tuple[str, str]] = set()
         # Placements the kubelet is known to have recorded (listed once, or
         # recovered from an earlier run): no grace once it stops listing them.
@@ -422,6 +424,10 @@ class Ledger:
             steered={resource},
             assigned=assigned,
         )
+        reused, self._reused_first = self._reused_first, None
+        if spec is not None and reused is not None and reused[0] == spec.pod_uid:
+            # This container's other resource came first, as its init containers' IDs.
+            self._pending.allocated.add(reused[1])
         if spec is not None:
             self._claimed.add(spec.ident)
         return ids, released
@@ -449,6 +455,20 @@ class Ledger:
                     f"{who} was assigned card {card.index} ({uuid}) by the vgpu scheduler "
                     f"extender, but that card turned unhealthy ({why}); {_RESCHEDULE}"
                 )
+        for uuid in cards:
+            # The node's own rule for the card (a card held whole takes no slice, a
+            # whole card must be empty): a placement the kubelet has freed but we
+            # have not released yet is found by the re-check before refusing.
+            usage = self.usage(uuid)
+            busy = not usage.empty if spec.request.whole_cards else usage.exclusive
+            if busy:
+                held = ", ".join(_owner_text(p) for p in self.placements_on(uuid))
+                raise InsufficientCapacity(
+                    f"{who} was assigned card {self.cards[uuid].index} ({uuid}) by the vgpu "
+                    f"scheduler extender, but that card is "
+                    f"{'in use' if spec.request.whole_cards else 'held whole'} on this node "
+                    f"({held}); {_RESCHEDULE}"
+                )
         return tuple(sorted(set(cards), key=lambda u: self.cards[u].index))
 
     def _refuse_assigned(
@@ -465,6 +485,28 @@ class Ledger:
             f"the kubelet offers only {found} of the {size} {resource.full_name(self.domain)} "
             f"units it needs there. Free per card: {self.describe_free()}; {_RESCHEDULE}"
         )
+
+    def _note_reuse(self, resource: Resource, placement: Placement) -> None:
+        """An Allocate handed back IDs a placement already holds: an app container
+        reusing its init containers' IDs (the kubelet asks no GetPreferredAllocation
+        for that resource). Count it as the in-flight container's, so that it does
+        not wait for that resource and take another container's call for it."""
+        pending = self._pending
+        pod_uid = placement.owner.pod_uid if placement.owner is not None else ""
+        if (
+            pending is not None
+            and pending.spec is not None
+            and pending.expected is not None
+            and resource in pending.expected
+            and resource not in pending.allocated
+            and pod_uid
+            and pod_uid == pending.spec.pod_uid
+        ):
+            pending.allocated.add(resource)
+            if pending.expected <= pending.allocated:
+                self._pending = None
+        elif pod_uid:
+            self._reused_first = (pod_uid, resource)
 
     def _attach(self, pending: _Pending, spec: ContainerSpec) -> None:
         """The in-flight container turns out to be `spec`: adopt its request and owner."""
@@ -602,6 +644,7 @@ class Ledger:
         # The kubelet replays, or an app container reuses an init container's IDs.
         for placement in self.placements.values():
             if placement.ids.get(resource) == ids:
+                self._note_reuse(resource, placement)
                 return placement
 
         cards = tuple(

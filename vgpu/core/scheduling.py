@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vgpu.core import fit
-from vgpu.core.annotations import Assignment, NodeInventory
+from vgpu.core.annotations import Assignment, NodeInventory, node_key
 from vgpu.core.errors import InvalidRequest
 from vgpu.core.fit import CardUsage, Hold, NoRoom, PodPlan
 from vgpu.core.model import CORE_UNITS_PER_CARD, CardUuid, ContainerSpec, Policy, Request
@@ -324,8 +324,8 @@ class ClusterBook:
         node = self.nodes.get(name)
         if node is None:
             raise NodeUnusable(
-                "no vgpu-node annotation: vgpu serve is not running on this node "
-                f"(or uses another resource domain than {self.domain})"
+                f"no {node_key(self.domain)} annotation: vgpu serve is not running on this "
+                f"node (or uses another resource domain than {self.domain})"
             )
         return node
 

@@ -297,11 +297,19 @@ class SimNode:
                 and p["metadata"]["uid"] not in self.admissions
                 and (p.get("status") or {}).get("phase") == "Pending"
             ]
-            new.sort(key=lambda p: (p["metadata"]["creationTimestamp"], p["metadata"]["name"]))
+            # In the order they were bound here (a pod's resourceVersion until it is
+            # admitted), as the kubelet's watch delivers them one by one.
+            new.sort(key=lambda p: int(p["metadata"]["resourceVersion"]))
             for pod in new:
                 if self._admit_stop.is_set():
                     return
-                self._admit_api_pod(pod)
+                # Like the kubelet, skip a pod deleted or finished since it arrived.
+                now = self.api.get_pod(pod["metadata"]["namespace"], pod["metadata"]["name"])
+                if now is None or now["metadata"]["uid"] != pod["metadata"]["uid"]:
+                    continue
+                if (now.get("status") or {}).get("phase") != "Pending":
+                    continue
+                self._admit_api_pod(now)
 
     def _admit_api_pod(self, pod: dict[str, Any]) -> None:
         assert self.api is not None
