@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("admission", "scale", "footprint", "packing", "hooks")
+SECTIONS = ("admission", "scale", "footprint", "packing", "hooks", "extender")
 
 
 def _numbers(value: Any) -> list[float]:
@@ -77,6 +77,12 @@ def test_bench_quick_writes_every_section(tmp_path: Path) -> None:
     for run in runs:
         assert 0 <= run["fragmentation_share"] <= 1
         assert 0 < run["mean_core_utilisation"] <= 1
+
+    ext = sections["extender"]
+    assert ext["vgpu"]["bound"] > 0 and ext["rss_mib"] > 0
+    for verb in ("filter", "prioritize", "bind"):
+        assert ext["vgpu"][verb]["p99_ms"] >= ext["vgpu"][verb]["p50_ms"] > 0
+    assert len(ext["targets"]) == 5
 
     hooks = sections["hooks"]
     if hooks["available"]:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tests.core.helpers import UNIT, cards
 from vgpu.core import annotations as ann
 from vgpu.core.annotations import Assignment, NodeInventory
+from vgpu.core.errors import InvalidRequest
 from vgpu.core.fit import NoRoom
 from vgpu.core.model import CardUuid, ContainerSpec, Policy, Request
 from vgpu.core.scheduling import ClusterBook, NodeUnusable, PodInfo
@@ -234,38 +235,85 @@ def test_prioritize_by_policy() -> None:
 slices = st.tuples(st.integers(1, 99), st.integers(1, 561)) | st.tuples(
     st.just(0), st.integers(1, 561)
 )
+wholes = st.tuples(st.sampled_from([100, 200, 300]), st.integers(0, 1200))
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.lists(st.tuples(slices, st.integers(0, 2)), max_size=10),
-    slices,
+    st.lists(st.tuples(slices | wholes, st.integers(0, 2)), max_size=10),
+    slices | wholes,
     st.sampled_from(list(Policy)),
 )
 def test_fast_paths_agree_with_the_fit_rules(
     running: list[tuple[tuple[int, int], int]], new: tuple[int, int], policy: Policy
 ) -> None:
-    """The single-slice index answers exactly what place_pod answers."""
+    """The room index answers exactly what place_pod answers, for one-slice and
+    whole-card pods, in filter and in prioritize."""
     b = ClusterBook(DOMAIN)
     b.set_node("n", inventory(3, policy=policy))
     for request, card in running:
         try:
-            b.plan(specs(request), "n")
-        except NoRoom:
+            plan = b.plan(specs(request), "n")
+        except (NoRoom, InvalidRequest):
             continue
-        b.set_pod(pod(request, node="n", placements={"c0": (uuid(card),)}))
-    fits = True
+        b.set_pod(pod(request, node="n", placements=dict(plan.cards) if card else None))
     try:
         b.plan(specs(new), "n")
-    except NoRoom:
+        fits = True
+    except (NoRoom, InvalidRequest):
         fits = False
     verdict = b.filter(specs(new), ["n"])
     assert (verdict.passed == ["n"]) is fits
-    single = b._fullness_after(specs(new), Request(*new), "n")  # the index
-    general = b._fullness_after(specs(new), None, "n")  # place_pod
-    assert (single is None) is (general is None) is (not fits)
-    if single is not None and general is not None:
-        assert single == pytest.approx(general)
+    node = b.nodes["n"]
+    fast = b._fullness_after(node, specs(new), fast=True)
+    general = b._fullness_after(node, specs(new), fast=False)
+    assert (fast is None) is (general is None) is (not fits)
+    if fast is not None and general is not None:
+        assert fast == pytest.approx(general)
+    # Asked again, the node's memo answers the same.
+    assert b.filter(specs(new), ["n"]) == verdict
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(slices | wholes, st.integers(0, 2)), max_size=8),
+    st.lists(slices, min_size=2, max_size=4),
+    st.sampled_from(list(Policy)),
+)
+def test_the_fast_path_places_several_slices_as_place_pod_does(
+    running: list[tuple[tuple[int, int], int]], new: list[tuple[int, int]], policy: Policy
+) -> None:
+    b = ClusterBook(DOMAIN)
+    b.set_node("n", inventory(3, policy=policy))
+    for request, _ in running:
+        try:
+            plan = b.plan(specs(request), "n")
+        except (NoRoom, InvalidRequest):
+            continue
+        b.set_pod(pod(request, node="n", placements=dict(plan.cards)))
+    pod_specs = specs(*new)
+    try:
+        b.plan(pod_specs, "n")
+        fits = True
+    except NoRoom:
+        fits = False
+    assert (b.filter(pod_specs, ["n"]).passed == ["n"]) is fits
+    node = b.nodes["n"]
+    fast = b._fullness_after(node, pod_specs, fast=True)
+    general = b._fullness_after(node, pod_specs, fast=False)
+    assert (fast is None) is (general is None) is (not fits)
+    if fast is not None and general is not None:
+        assert fast == pytest.approx(general)
+
+
+def test_the_memo_forgets_when_the_node_changes() -> None:
+    b = book("n", n=1)
+    assert b.filter(specs((60, 10)), ["n"]).passed == ["n"]
+    b.set_pod(pod((50, 10), node="n", placements={"c0": (uuid(0),)}))
+    assert b.filter(specs((60, 10)), ["n"]).passed == []
+    before = dict(b.prioritize(specs((10, 10)), ["n"], Policy.BINPACK))
+    b.set_pod(pod((40, 10), node="n", placements={"c0": (uuid(0),)}))
+    assert dict(b.prioritize(specs((10, 10)), ["n"], Policy.BINPACK))["n"] > before["n"]
 
 
 def test_plan_raises_for_unknown_nodes() -> None:

@@ -4,35 +4,20 @@ through the official ``kubernetes`` client against the fake API server."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kubernetes import client
 
+from tests.sim import test_apiserver as base
 from tests.sim.test_apiserver import _Watcher
 from vgpu.sim.apiserver import FakeApiServer, make_node, make_pod
 
 CORE = "vendor.io/vcuda-core"
 
-
-@pytest.fixture
-def server() -> Iterator[FakeApiServer]:
-    srv = FakeApiServer()
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture
-def v1(server: FakeApiServer) -> Iterator[client.CoreV1Api]:
-    api_client = client.ApiClient(client.Configuration(host=server.url))
-    try:
-        yield client.CoreV1Api(api_client)
-    finally:
-        api_client.close()
+# The fake API server and client fixtures of the main API server tests.
+server = base.server
+v1 = base.v1
 
 
 def _binding(name: str, node: str, uid: str | None = None) -> dict[str, Any]:

@@ -71,3 +71,11 @@ def test_cli_exits_2_with_one_line_without_an_api_server(tmp_path: Path) -> None
         "vgpu extender: no API server configured: pass --kubeconfig FILE, or run in a cluster "
         "(the in-cluster service account is used there)"
     ]
+
+
+def test_readme_documents_the_extender_only_keys() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    defaults = ExtenderSettings().public()
+    for key in ("listen", "bind_timeout_s"):
+        row = f"| `{key}` | `{defaults[key]}` | {EXTENDER_KEYS[key]} |"
+        assert row in readme.splitlines(), row

@@ -295,7 +295,9 @@ class ExtenderHttp:
         self._thread.start()
 
     def close(self) -> None:
-        self._server.shutdown()
+        if self._thread is not None:  # shutdown() waits for a serve_forever loop
+            self._server.shutdown()
+            self._thread = None
         self._server.server_close()
 
     # ------------------------------------------------------------ verbs

@@ -138,17 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     return 1  # pragma: no cover - argparse requires a command
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from vgpu import config
-    from vgpu.daemon import logs, wiring
-
-    flags = {
-        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-        for flag, _ in SERVE_FLAGS
+def _flags(args: argparse.Namespace, spec: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    return {
+        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _ in spec
     }
-    settings = config.load(flags, config_file=args.config)
-    logs.configure(settings.log_format, settings.log_level)
-    code = wiring.run(settings)
+
+
+def _exit(code: int) -> int:
     # The orderly shutdown is done (sockets removed, servers stopped, state on
     # disk). Skip interpreter finalisation: background threads may still sit
     # inside gRPC or urllib3 C code, and tearing modules down under them can
@@ -160,21 +156,22 @@ def _serve(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from vgpu import config
+    from vgpu.daemon import logs, wiring
+
+    settings = config.load(_flags(args, SERVE_FLAGS), config_file=args.config)
+    logs.configure(settings.log_format, settings.log_level)
+    return _exit(wiring.run(settings))
+
+
 def _extender(args: argparse.Namespace) -> int:
     from vgpu import config
     from vgpu.daemon import extender, logs
 
-    flags = {
-        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-        for flag, _ in EXTENDER_FLAGS
-    }
-    settings = config.load_extender(flags, config_file=args.config)
+    settings = config.load_extender(_flags(args, EXTENDER_FLAGS), config_file=args.config)
     logs.configure(settings.log_format, settings.log_level)
-    code = extender.run(settings)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as for serve: no interpreter teardown under live client threads
+    return _exit(extender.run(settings))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,7 +19,7 @@ of init containers' device IDs. Pure: no I/O, frozen values in and out.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from vgpu.core.errors import InvalidRequest
 from vgpu.core.model import (
@@ -155,16 +155,24 @@ def choose_fractional(
     """
     fits: list[tuple[float, float, int, CardUuid]] = []
     other = resource.other
+    need, need_other = request.units(resource), request.units(other)
     for usage in usages:
         card = usage.card
         if not card.healthy or usage.exclusive:
             continue
-        if _free(usage, resource, unit_mib, offered, resource) < request.units(resource):
+        units = card.memory_mib // unit_mib
+        core_free = CORE_UNITS_PER_CARD - usage.core_used
+        mem_free = units - usage.memory_used_units
+        if offered is not None:
+            free = offered.get(card.uuid, 0)
+        else:
+            free = core_free if resource is Resource.CORE else mem_free
+        if free < need:
             continue
-        other_free = _free(usage, other, unit_mib, None, resource)
-        if other_free < request.units(other):
+        other_free = core_free if other is Resource.CORE else mem_free
+        if other_free < need_other:
             continue
-        fullness = usage.fullness(unit_mib)
+        fullness = usage.core_used / CORE_UNITS_PER_CARD + usage.memory_used_units / max(1, units)
         if not known_other:
             score = -float(other_free)
         elif policy is Policy.BINPACK:
@@ -313,21 +321,25 @@ def place_pod(
     """
     state = {u.card.uuid: u for u in usages}
     order = [u.card.uuid for u in usages]
-    pools: dict[Resource, dict[CardUuid, int]] = {r: {} for r in Resource}
+    pool_core: dict[CardUuid, int] = {}  # init containers' IDs not yet reused, per card
+    pool_mem: dict[CardUuid, int] = {}
     whole_pool: set[CardUuid] = set()
     chosen: dict[str, tuple[CardUuid, ...]] = {}
     holds: dict[CardUuid, Hold] = {}
-    for spec in kubelet_order(specs):
+    ordered = kubelet_order(specs) if any(s.init for s in specs) else specs
+    for spec in ordered:
         request = spec.request
-        reuse = {r: min(request.units(r), sum(pools[r].values())) for r in Resource}
-        new = {r: request.units(r) - reuse[r] for r in Resource}
+        reuse_core = min(request.core_percent, sum(pool_core.values())) if pool_core else 0
+        reuse_mem = min(request.memory_units, sum(pool_mem.values())) if pool_mem else 0
+        new_core = request.core_percent - reuse_core
+        new_mem = request.memory_units - reuse_mem
         given = fixed.get(spec.container) if fixed is not None else None
         if given is not None:
             cards = tuple(c for c in given if c in state)
-        elif any(reuse.values()):
-            reused = {c for r in Resource if reuse[r] for c in pools[r]}
+        elif reuse_core or reuse_mem:
+            reused = set(pool_core if reuse_core else ()) | set(pool_mem if reuse_mem else ())
             cards = tuple(c for c in order if c in reused)
-            if not any(new.values()):
+            if not (new_core or new_mem):
                 pass  # everything reused: the kubelet hands the same IDs back
             elif request.whole_cards:
                 raise NoRoom(
@@ -341,7 +353,14 @@ def place_pod(
                         f"container {spec.container} would reuse init containers' IDs on "
                         f"{len(cards)} cards for a one-card slice"
                     )
-                _check_room(state[cards[0]], new, unit_mib, spec.container, cards[0] in whole_pool)
+                _check_room(
+                    state[cards[0]],
+                    new_core,
+                    new_mem,
+                    unit_mib,
+                    spec.container,
+                    cards[0] in whole_pool,
+                )
         else:
             validate_request(request, domain, unit_mib)
             current = [state[c] for c in order]
@@ -350,22 +369,23 @@ def place_pod(
             else:
                 cards = (choose_fractional(request, current, unit_mib, policy),)
         chosen[spec.container] = cards
-        added = _apply(state, holds, cards, request, new, unit_mib) if cards else {}
+        added = _apply(state, holds, cards, request, new_core, new_mem, unit_mib) if cards else {}
         if spec.init:
             if request.whole_cards:
                 whole_pool.update(cards)
-            for card, units in added.items():
-                for r, n in zip(Resource, units, strict=True):
-                    if n:
-                        pools[r][card] = pools[r].get(card, 0) + n
+            for card, (core, mem) in added.items():
+                if core:
+                    pool_core[card] = pool_core.get(card, 0) + core
+                if mem:
+                    pool_mem[card] = pool_mem.get(card, 0) + mem
         else:
-            for r in Resource:
-                _take(pools[r], reuse[r])
+            _take(pool_core, reuse_core)
+            _take(pool_mem, reuse_mem)
     return PodPlan(cards=chosen, usages=tuple(state[c] for c in order), holds=holds)
 
 
 def _check_room(
-    usage: CardUsage, new: Mapping[Resource, int], unit_mib: int, container: str, own_whole: bool
+    usage: CardUsage, new_core: int, new_mem: int, unit_mib: int, container: str, own_whole: bool
 ) -> None:
     if not usage.card.healthy:
         raise NoRoom(f"container {container} must reuse IDs on unhealthy card {usage.card.index}")
@@ -374,9 +394,7 @@ def _check_room(
             f"container {container} would take a slice of card {usage.card.index}, "
             "which is held whole"
         )
-    if new[Resource.CORE] > usage.core_free() or new[Resource.MEMORY] > usage.memory_free_units(
-        unit_mib
-    ):
+    if new_core > usage.core_free() or new_mem > usage.memory_free_units(unit_mib):
         raise NoRoom(
             f"container {container} must stay on card {usage.card.index} with its init "
             "containers' IDs, and that card lacks room for the rest"
@@ -388,32 +406,37 @@ def _apply(
     holds: dict[CardUuid, Hold],
     cards: Sequence[CardUuid],
     request: Request,
-    new: Mapping[Resource, int],
+    new_core: int,
+    new_mem: int,
     unit_mib: int,
 ) -> dict[CardUuid, tuple[int, int]]:
     """Count a container's new units on its card(s); returns card -> (core, memory) added."""
     added: dict[CardUuid, tuple[int, int]] = {}
-    if request.whole_cards:
-        memory_left = new[Resource.MEMORY]
+    whole = request.whole_cards > 0
+    if whole:
+        memory_left = new_mem
         for uuid in cards:
             usage = state[uuid]
             mem = min(memory_left, usage.card.memory_units(unit_mib))
             memory_left -= mem
             added[uuid] = (CORE_UNITS_PER_CARD - usage.core_used, mem)
-    elif any(new.values()):
-        added[cards[0]] = (new[Resource.CORE], new[Resource.MEMORY])
-    whole = request.whole_cards > 0
+    elif new_core or new_mem:
+        added[cards[0]] = (new_core, new_mem)
     for uuid, (core, mem) in added.items():
         usage = state[uuid]
-        state[uuid] = replace(
-            usage,
-            core_used=usage.core_used + core,
-            memory_used_units=usage.memory_used_units + mem,
-            exclusive=usage.exclusive or whole,
-            holders=usage.holders + 1,
+        state[uuid] = CardUsage(
+            usage.card,
+            usage.core_used + core,
+            usage.memory_used_units + mem,
+            usage.exclusive or whole,
+            usage.holders + 1,
         )
-        hold = holds.get(uuid, Hold(0, 0, False, 0))
-        holds[uuid] = Hold(
-            hold.core + core, hold.memory_units + mem, hold.whole or whole, hold.holders + 1
+        hold = holds.get(uuid)
+        holds[uuid] = (
+            Hold(core, mem, whole, 1)
+            if hold is None
+            else Hold(
+                hold.core + core, hold.memory_units + mem, hold.whole or whole, hold.holders + 1
+            )
         )
     return added

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from vgpu.core import fit
 from vgpu.core.annotations import Assignment, NodeInventory, node_key
@@ -94,10 +95,33 @@ class _Node:
         self._rooms: tuple[tuple[int, int, float, int, int], ...] | None = None
         self.fullness_sum = 0.0  # sum of each healthy card's fullness / 2 (set by rooms())
         self.healthy_count = 0
+        self.empty_units: list[int] = []  # memory units of each healthy empty card
+        # Answers for this node as it is now, per pod shape: filter verdicts and
+        # prioritize fullness. Cleared on every change of what the node holds.
+        self.memo: dict[tuple[Any, ...], Any] = {}
+        self._profile: tuple[Any, ...] | None = None
 
     @property
     def unit(self) -> int:
         return self.inventory.memory_unit_mib if self.inventory else 256
+
+    def profile(self) -> tuple[Any, ...]:
+        """The node's cards as the fit rules see them when all are free."""
+        if self._profile is None:
+            inv = self.inventory
+            unit = self.unit
+            self._profile = (
+                unit,
+                inv.policy if inv else None,
+                tuple((c.memory_units(unit), c.numa_node) for c in inv.cards if c.healthy)
+                if inv
+                else (),
+            )
+        return self._profile
+
+    @property
+    def healthy_cards(self) -> int:
+        return len(self.profile()[2])
 
     def add(self, uid: str, plan: PodPlan) -> None:
         self.remove(uid)
@@ -109,7 +133,11 @@ class _Node:
             total[1] += hold.memory_units
             total[2] += int(hold.whole)
             total[3] += hold.holders
+        self._changed()
+
+    def _changed(self) -> None:
         self._usages = self._rooms = None
+        self.memo.clear()
 
     def remove(self, uid: str) -> None:
         holds = self.holds.pop(uid, None)
@@ -124,7 +152,7 @@ class _Node:
             total[3] -= hold.holders
             if not any(total):
                 del self._totals[card]
-        self._usages = self._rooms = None
+        self._changed()
 
     def usages(self) -> tuple[CardUsage, ...]:
         if self._usages is None:
@@ -138,17 +166,20 @@ class _Node:
 
     def rooms(self) -> tuple[tuple[int, int, float, int, int], ...]:
         """(core free, memory free, fullness, index, memory units) of each healthy card
-        not held whole: what the single-slice fast path of filter and prioritize reads."""
+        not held whole: what the slice fast path of filter and prioritize reads."""
         if self._rooms is None:
             unit = self.unit
             rooms = []
             fullness = 0.0
             healthy = 0
+            self.empty_units = []
             for u in self.usages():
                 if not u.card.healthy:
                     continue
                 healthy += 1
                 fullness += u.fullness(unit) / 2
+                if u.empty:
+                    self.empty_units.append(u.card.memory_units(unit))
                 if not u.exclusive:
                     rooms.append(
                         (
@@ -167,7 +198,7 @@ class _Node:
     def check_usable(self) -> NodeInventory:
         if self.inventory is None:
             raise NodeUnusable(self.problem)
-        if not any(c.healthy for c in self.inventory.cards):
+        if not self.healthy_cards:
             raise NodeUnusable(
                 "no healthy vgpu card on this node"
                 if self.inventory.cards
@@ -176,14 +207,77 @@ class _Node:
         return self.inventory
 
 
-def _single_slice(specs: Sequence[ContainerSpec]) -> Request | None:
-    """The request of a pod that is one fractional or memory-only slice."""
-    if len(specs) != 1:
+def _slices(specs: Sequence[ContainerSpec]) -> list[Request] | None:
+    """The requests of a pod whose containers are all app containers asking a
+    fractional or memory-only slice (no init containers, no whole cards)."""
+    out = []
+    for spec in specs:
+        request = spec.request
+        if spec.init or request.whole_cards or (request.core_percent and not request.memory_units):
+            return None
+        out.append(request)
+    return out or None
+
+
+def _greedy(node: _Node, requests: Sequence[Request], binpack: bool) -> tuple[float, float] | None:
+    """fit.place_pod for slices only, on the node's room index: each request in
+    turn to the card fit.choose_fractional would take (the fullest that fits
+    under binpack, the emptiest under spread, then the lowest index). Returns
+    the chosen cards' mean fullness after (0-1) and the fullness the pod adds
+    (0-2 per card), or None when a request fits no card."""
+    if len(requests) == 1:  # the common case, without copying the index
+        core, mem = requests[0].core_percent, requests[0].memory_units
+        found: tuple[float, int, float, int] | None = None
+        for core_free, mem_free, fullness, index, units in node.rooms():
+            if core_free >= core and mem_free >= mem:
+                key = (-fullness if binpack else fullness, index, fullness, units)
+                if found is None or key < found:
+                    found = key
+        if found is None:
+            return None
+        step = core / CORE_UNITS_PER_CARD + mem / max(1, found[3])
+        return (found[2] + step) / 2, step
+    rooms = [list(r) for r in node.rooms()]  # core free, memory free, fullness, index, units
+    touched: dict[int, float] = {}
+    added = 0.0
+    for request in requests:
+        core, mem = request.core_percent, request.memory_units
+        best = -1
+        best_key: tuple[float, float] = (0.0, 0.0)
+        for i, room in enumerate(rooms):
+            if room[0] < core or room[1] < mem:
+                continue
+            rank = (-room[2] if binpack else room[2], room[3])
+            if best < 0 or rank < best_key:
+                best, best_key = i, rank
+        if best < 0:
+            return None
+        room = rooms[best]
+        step = core / CORE_UNITS_PER_CARD + mem / max(1, room[4])
+        room[0] -= core
+        room[1] -= mem
+        room[2] += step
+        touched[best] = room[2]
+        added += step
+    return sum(f / 2 for f in touched.values()) / len(touched), added
+
+
+def _single_whole(specs: Sequence[ContainerSpec]) -> Request | None:
+    """The request of a pod that is one whole-card container."""
+    if len(specs) != 1 or not specs[0].request.whole_cards:
         return None
     request = specs[0].request
-    if request.whole_cards or (request.core_percent > 0 and not request.memory_units):
-        return None
+    if request.core_percent % CORE_UNITS_PER_CARD:
+        return None  # invalid: the general path says why
     return request
+
+
+def _shape(specs: Sequence[ContainerSpec]) -> tuple[Any, ...]:
+    """What the answers for a pod depend on (not its name)."""
+    return tuple(
+        (s.container, s.init, s.order, s.request.core_percent, s.request.memory_units)
+        for s in specs
+    )
 
 
 class ClusterBook:
@@ -197,6 +291,8 @@ class ClusterBook:
         self._assumed_specs: dict[str, tuple[ContainerSpec, ...]] = {}
         self._placed_on: dict[str, str] = {}  # uid -> node whose holds include it
         self._bound: dict[str, set[str]] = {}  # node -> uids of cached pods bound there
+        # (pod shape, cards) -> the pod fits no such node even with every card free
+        self._never: dict[tuple[Any, ...], bool] = {}
 
     # ------------------------------------------------------------ nodes
 
@@ -323,10 +419,7 @@ class ClusterBook:
     def _node(self, name: str) -> _Node:
         node = self.nodes.get(name)
         if node is None:
-            raise NodeUnusable(
-                f"no {node_key(self.domain)} annotation: vgpu serve is not running on this "
-                f"node (or uses another resource domain than {self.domain})"
-            )
+            raise NodeUnusable(self._missing())
         return node
 
     def plan(self, specs: Sequence[ContainerSpec], name: str) -> PodPlan:
@@ -344,38 +437,94 @@ class ClusterBook:
 
     def filter(self, specs: Sequence[ContainerSpec], names: Iterable[str]) -> FilterVerdict:
         verdict = FilterVerdict([], {}, {})
-        single = _single_slice(specs)
+        shape = ("filter", _shape(specs))
         for name in names:
             node = self.nodes.get(name)
-            if single is not None and node is not None and node.inventory is not None:
-                core, mem = single.core_percent, single.memory_units
-                if any(r[0] >= core and r[1] >= mem for r in node.rooms()):
-                    verdict.passed.append(name)
-                    continue
-            try:
-                self.plan(specs, name)
-            except NodeUnusable as exc:
-                verdict.unresolvable[name] = f"vgpu: {exc}"
-            except InvalidRequest as exc:
-                verdict.unresolvable[name] = f"vgpu: {exc.message}"
-            except NoRoom as exc:
-                reason, never = self._reason(specs, name, exc)
-                (verdict.unresolvable if never else verdict.failed)[name] = reason
+            if node is None:
+                answer: tuple[str, str] = ("never", f"vgpu: {self._missing()}")
             else:
+                answer = node.memo.get(shape) or self._judge(node, specs, shape)
+            if answer[0] == "pass":
                 verdict.passed.append(name)
+            elif answer[0] == "never":
+                verdict.unresolvable[name] = answer[1]
+            else:
+                verdict.failed[name] = answer[1]
         return verdict
 
-    def _reason(self, specs: Sequence[ContainerSpec], name: str, exc: NoRoom) -> tuple[str, bool]:
+    def _judge(
+        self, node: _Node, specs: Sequence[ContainerSpec], shape: tuple[Any, ...]
+    ) -> tuple[str, str]:
+        """'pass', 'fail' (room may appear) or 'never', with the reason."""
+        answer = ("pass", "")
+        slices, whole = _slices(specs), _single_whole(specs)
+        no_room: NoRoom | None = None
+        usable = node.inventory is not None and node.healthy_cards > 0
+        if usable and slices is not None:
+            # The room index answers exactly what fit.place_pod would.
+            assert node.inventory is not None
+            if len(slices) == 1:
+                core, mem = slices[0].core_percent, slices[0].memory_units
+                fits = any(r[0] >= core and r[1] >= mem for r in node.rooms())
+            else:
+                fits = _greedy(node, slices, node.inventory.policy is Policy.BINPACK) is not None
+            if fits:
+                node.memo[shape] = answer
+                return answer
+            no_room = NoRoom("no single card has that much free")
+        elif usable and whole is not None:
+            node.rooms()
+            count = whole.whole_cards
+            if len(node.empty_units) >= count and whole.memory_units <= count * min(
+                node.empty_units, default=0
+            ):
+                node.memo[shape] = answer
+                return answer
+            if len(node.empty_units) < count:
+                no_room = NoRoom(f"only {len(node.empty_units)} card(s) are entirely free")
+        try:
+            if no_room is not None:
+                raise no_room
+            self.plan(specs, node.name)
+        except (NodeUnusable, InvalidRequest) as exc:
+            answer = ("never", f"vgpu: {exc.message if isinstance(exc, InvalidRequest) else exc}")
+        except NoRoom as exc:
+            reason, never = self._reason(specs, node.name, exc, shape[1])
+            answer = ("never" if never else "fail", reason)
+        node.memo[shape] = answer
+        return answer
+
+    def _missing(self) -> str:
+        return (
+            f"no {node_key(self.domain)} annotation: vgpu serve is not running on this "
+            f"node (or uses another resource domain than {self.domain})"
+        )
+
+    def _reason(
+        self,
+        specs: Sequence[ContainerSpec],
+        name: str,
+        exc: NoRoom,
+        shape: tuple[Any, ...] | None = None,
+    ) -> tuple[str, bool]:
         """One line for `kubectl describe pod`, and whether an empty node would not help."""
         node = self.nodes[name]
         inv = node.check_usable()
         unit = inv.memory_unit_mib
-        empty = tuple(CardUsage(c, 0, 0, False, 0) for c in inv.cards)
-        try:
-            fit.place_pod(specs, empty, unit, inv.policy, self.domain)
-            never = False
-        except (NoRoom, InvalidRequest):
-            never = True
+        # Whether the pod fits the node's cards when all are free depends on the
+        # cards alone: nodes of one model share the answer.
+        key = (shape or _shape(specs), node.profile())
+        never = self._never.get(key)
+        if never is None:
+            empty = tuple(CardUsage(c, 0, 0, False, 0) for c in inv.cards)
+            try:
+                fit.place_pod(specs, empty, unit, inv.policy, self.domain)
+                never = False
+            except (NoRoom, InvalidRequest):
+                never = True
+            if len(self._never) > 4096:
+                self._never.clear()
+            self._never[key] = never
         total = Request(
             sum(s.request.core_percent for s in specs if not s.init),
             sum(s.request.memory_units for s in specs if not s.init),
@@ -394,10 +543,16 @@ class ClusterBook:
         self, specs: Sequence[ContainerSpec], names: Iterable[str], policy: Policy
     ) -> list[tuple[str, int]]:
         """Score 0-10: binpack prefers the node and card left fullest, spread the emptiest."""
-        single = _single_slice(specs)
+        shape = ("prioritize", _shape(specs))
         out = []
         for name in names:
-            fullness = self._fullness_after(specs, single, name)
+            node = self.nodes.get(name)
+            fullness = None
+            if node is not None and node.inventory is not None:
+                if shape in node.memo:
+                    fullness = node.memo[shape]
+                else:
+                    fullness = node.memo[shape] = self._fullness_after(node, specs)
             if fullness is None:
                 out.append((name, 0))
                 continue
@@ -406,40 +561,49 @@ class ClusterBook:
         return out
 
     def _fullness_after(
-        self, specs: Sequence[ContainerSpec], single: Request | None, name: str
+        self, node: _Node, specs: Sequence[ContainerSpec], fast: bool = True
     ) -> float | None:
-        """Mean of the chosen card's and the node's fullness once the pod is placed (0-1)."""
-        node = self.nodes.get(name)
-        if node is None or node.inventory is None:
-            return None
+        """Mean of the chosen card(s)' and the node's fullness once the pod is placed
+        (0-1), the card(s) chosen as the node would; None where it does not fit.
+        `fast` reads the node's room index for one-container pods (same answer)."""
         inv = node.inventory
-        if single is not None:
-            # The card fit.choose_fractional would take, from the node's room index.
-            binpack = inv.policy is Policy.BINPACK
-            best: tuple[float, int, float, int] | None = None
-            for core_free, mem_free, fullness, index, units in node.rooms():
-                if core_free < single.core_percent or mem_free < single.memory_units:
-                    continue
-                key = (-fullness if binpack else fullness, index, fullness, units)
-                if best is None or key < best:
-                    best = key
-            if best is None:
+        if inv is None:
+            return None
+        slices, whole = _slices(specs), _single_whole(specs)
+        unit = inv.memory_unit_mib
+        if fast and slices is not None:
+            placed = _greedy(node, slices, inv.policy is Policy.BINPACK)
+            if placed is None:
                 return None
-            added = single.core_percent / CORE_UNITS_PER_CARD + single.memory_units / max(
-                1, best[3]
-            )
-            card_after = (best[2] + added) / 2
+            card_after, added = placed
             node_after = (node.fullness_sum + added / 2) / max(1, node.healthy_count)
             return (card_after + node_after) / 2
+        if fast and whole is not None:
+            # The cards fit.choose_whole would take: entirely free, so only what the
+            # pod adds counts.
+            try:
+                chosen = fit.choose_whole(whole, node.usages(), unit, self.domain)
+            except (NoRoom, InvalidRequest):
+                return None
+            node.rooms()
+            cards = {u.card.uuid: u.card for u in node.usages()}
+            left = whole.memory_units
+            added = 0.0
+            for uuid in chosen:
+                units = cards[uuid].memory_units(unit)
+                mem = min(left, units)
+                left -= mem
+                added += (1 + mem / max(1, units)) / 2
+            node_after = (node.fullness_sum + added) / max(1, node.healthy_count)
+            return (added / len(chosen) + node_after) / 2
         try:
-            plan = self.plan(specs, name)
+            plan = self.plan(specs, node.name)
         except (NodeUnusable, NoRoom, InvalidRequest):
             return None
-        unit = inv.memory_unit_mib
         touched = plan.touched()
         healthy = [u for u in plan.usages if u.card.healthy]
-        chosen = [u for u in healthy if u.card.uuid in touched]
-        card_after = sum(u.fullness(unit) / 2 for u in chosen) / max(1, len(chosen))
+        picked = [u for u in healthy if u.card.uuid in touched]
+        card_after = sum(u.fullness(unit) / 2 for u in picked) / max(1, len(picked))
         node_after = sum(u.fullness(unit) / 2 for u in healthy) / max(1, len(healthy))
         return (card_after + node_after) / 2
 

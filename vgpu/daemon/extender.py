@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 from collections.abc import Iterator
-from types import FrameType
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -29,6 +27,7 @@ from vgpu.adapters.kube_cluster import Binder, ClusterCache, KubeBinder
 from vgpu.config import ExtenderSettings
 from vgpu.core.errors import ConfigError
 from vgpu.daemon.extender_service import ExtenderService
+from vgpu.daemon.lifecycle import stop_on_signals
 
 log = logging.getLogger("vgpu.extender")
 
@@ -159,18 +158,7 @@ def run(settings: ExtenderSettings) -> int:
     except ConfigError as exc:
         print(f"vgpu extender: {exc.message}", file=sys.stderr)
         return 2
-    signals = {"count": 0}
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        signals["count"] += 1
-        if signals["count"] > 1:
-            log.error("second signal: exiting now")
-            os._exit(1)
-        log.info("%s received: shutting down", signal.Signals(signum).name)
-        extender.stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop_on_signals(extender.stop, log)
     extender.start()
     while not extender.stop.wait(1.0):
         pass

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from vgpu import __version__
@@ -47,6 +45,7 @@ from vgpu.adapters.podresources import PodResourcesClient
 from vgpu.config import Settings
 from vgpu.core.errors import ConfigError
 from vgpu.core.model import Resource
+from vgpu.daemon.lifecycle import stop_on_signals
 from vgpu.daemon.service import PluginService, ServiceOptions
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
 
@@ -329,18 +328,7 @@ class Daemon:
 def run(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT. Exit codes: 0 clean stop, 2 bad config, 3 backend unusable."""
     daemon = Daemon(settings)
-    signals = {"count": 0}
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        signals["count"] += 1
-        if signals["count"] > 1:
-            log.error("second signal: exiting now")
-            os._exit(1)
-        log.info("%s received: shutting down", signal.Signals(signum).name)
-        daemon.stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop_on_signals(daemon.stop, log)
     try:
         daemon.start()
     except ConfigError as exc:

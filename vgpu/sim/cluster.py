@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu.sim.apiserver import FakeApiServer, make_pod
-from vgpu.sim.harness import SimNode, wait_until
+from vgpu.sim.harness import SimNode, stop_process, wait_until
 from vgpu.sim.scheduler import SchedulerStandIn
 
 SCHEDULER_NAME = "vgpu-scheduler"
@@ -145,19 +145,8 @@ class SimCluster:
 
     def stop_extender(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int | None:
         proc, self.extender = self.extender, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(sig)
-        try:
-            rc = proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        if self._extender_fh is not None:
-            self._extender_fh.close()
-            self._extender_fh = None
-        return rc
+        log_fh, self._extender_fh = self._extender_fh, None
+        return stop_process(proc, log_fh, sig, timeout_s)
 
     def extender_text(self) -> str:
         try:

@@ -153,19 +153,8 @@ class SimNode:
 
     def stop_daemon(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int | None:
         proc, self.proc = self.proc, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(sig)
-        try:
-            rc = proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        if self._log_fh is not None:
-            self._log_fh.close()
-            self._log_fh = None
-        return rc
+        log_fh, self._log_fh = self._log_fh, None
+        return stop_process(proc, log_fh, sig, timeout_s)
 
     def kill_daemon(self) -> None:
         self.stop_daemon(signal.SIGKILL)
@@ -341,6 +330,24 @@ class SimNode:
 
         with contextlib.suppress(KeyError):  # deleted meanwhile
             self.api.update_pod(meta["namespace"], meta["name"], mutate)
+
+
+def stop_process(
+    proc: subprocess.Popen[bytes] | None, log_fh: Any, sig: int, timeout_s: float
+) -> int | None:
+    """Signal a child, wait for it (kill it after `timeout_s`), close its log; its exit code."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        rc = proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    if log_fh is not None:
+        log_fh.close()
+    return rc
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.02) -> bool:
