@@ -9,6 +9,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -324,3 +325,24 @@ def test_before_the_first_sync_filter_answers_an_error(tmp_path: Path) -> None:
 def _listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_slow_api_server_fails_the_bind_at_its_timeout(ext: Extender, api: FakeApiServer) -> None:
+    pod = api.add_pod(_pod("slow", 10, 10, node=None))
+    assert wait_until(lambda: ext.post("filter", _args(pod, ["n-free"]))["NodeNames"], 5)
+    api.set_delay(1.5)  # over the extender's --bind-timeout-s 1
+    try:
+        started = time.monotonic()
+        assert ext.post("filter", _args(pod, ["n-free"]))["NodeNames"] == ["n-free"]
+        assert time.monotonic() - started < 1.0  # answered from the cache
+        args = {
+            "PodName": "slow",
+            "PodNamespace": "default",
+            "PodUID": pod["metadata"]["uid"],
+            "Node": "n-free",
+        }
+        error = ext.post("bind", args)["Error"]
+        assert "annotating pod default/slow: API server unreachable" in error, error
+    finally:
+        api.set_delay(0.0)
+    assert ext.post("bind", args) == {"Error": ""}
