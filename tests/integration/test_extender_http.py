@@ -346,3 +346,13 @@ def test_a_slow_api_server_fails_the_bind_at_its_timeout(ext: Extender, api: Fak
     finally:
         api.set_delay(0.0)
     assert ext.post("bind", args) == {"Error": ""}
+
+
+def test_a_pod_asking_no_vgpu_resource_passes_everywhere(ext: Extender) -> None:
+    # Without managedResources kube-scheduler sends every pod: leave them alone.
+    pod = make_pod("plain", node=None)
+    pod["metadata"]["uid"] = "uid-plain"
+    result = ext.post("filter", _args(pod, ["n-free", "n-full", "n-cpu"]))
+    assert result["NodeNames"] == ["n-free", "n-full", "n-cpu"]
+    assert not result["FailedNodes"] and not result["FailedAndUnresolvableNodes"]
+    assert {e["Score"] for e in ext.post("prioritize", _args(pod, ["n-free", "n-cpu"]))} == {0}

@@ -229,6 +229,10 @@ class KubePodCache:
             self._api = core_v1_api(self.kubeconfig)
         return self._api
 
+    def client(self) -> Any:
+        """The CoreV1Api this cache uses (one client per daemon: it is not small)."""
+        return self._client()
+
     # ------------------------------------------------------------- reads
 
     def candidates(self) -> list[ContainerSpec]:
@@ -441,10 +445,17 @@ class KubeNodePublisher:
     already there is not written again (a restarted daemon patches nothing).
     """
 
-    def __init__(self, node_name: str, kubeconfig: Path | None, backoff_max_s: float = 30.0):
+    def __init__(
+        self,
+        node_name: str,
+        kubeconfig: Path | None,
+        backoff_max_s: float = 30.0,
+        client: Callable[[], Any] | None = None,
+    ):
         self.node_name = node_name
         self.kubeconfig = kubeconfig
         self.backoff_max_s = backoff_max_s
+        self._shared_client = client
         self._cond = threading.Condition()
         self._wanted: dict[str, str] | None = None
         self._api: Any = None
@@ -492,7 +503,8 @@ class KubeNodePublisher:
 
     def _patch(self, wanted: dict[str, str]) -> None:
         if self._api is None:
-            self._api = core_v1_api(self.kubeconfig)
+            shared = self._shared_client
+            self._api = shared() if shared is not None else core_v1_api(self.kubeconfig)
         reply = self._api.read_node(self.node_name, _preload_content=False, _request_timeout=5)
         current = (json.loads(reply.data).get("metadata") or {}).get("annotations") or {}
         if all(current.get(k) == v for k, v in wanted.items()):

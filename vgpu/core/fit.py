@@ -242,14 +242,15 @@ def nearest_room(request: Request, usages: Sequence[CardUsage], unit_mib: int) -
     if not open_cards:
         return "every healthy card is held whole"
 
-    def shortfall(u: CardUsage) -> tuple[float, int]:
-        core_short = max(0, request.core_percent - u.core_free()) / CORE_UNITS_PER_CARD
-        mem_short = max(0, request.memory_units - u.memory_free_units(unit_mib)) / max(
-            1, u.card.memory_units(unit_mib)
-        )
-        return core_short + mem_short, u.card.index
-
-    best = min(open_cards, key=shortfall)
+    core, mem = request.core_percent, request.memory_units
+    best, best_key = open_cards[0], (float("inf"), 0)
+    for u in open_cards:
+        units = u.card.memory_mib // unit_mib
+        short = max(0, core - CORE_UNITS_PER_CARD + u.core_used) / CORE_UNITS_PER_CARD + max(
+            0, mem - units + u.memory_used_units
+        ) / max(1, units)
+        if (short, u.card.index) < best_key:
+            best, best_key = u, (short, u.card.index)
     mem_free = best.memory_free_units(unit_mib)
     return (
         f"nearest card {best.card.index} ({best.card.uuid}) has {best.core_free()} core and "

@@ -293,6 +293,7 @@ class ClusterBook:
         self._bound: dict[str, set[str]] = {}  # node -> uids of cached pods bound there
         # (pod shape, cards) -> the pod fits no such node even with every card free
         self._never: dict[tuple[Any, ...], bool] = {}
+        self._asked: dict[tuple[Any, ...], str] = {}  # (pod shape, unit) -> request text
 
     # ------------------------------------------------------------ nodes
 
@@ -321,6 +322,12 @@ class ClusterBook:
                 )
                 fresh.add(uid, plan)
                 self._placed_on[uid] = name
+
+    def warm(self) -> None:
+        """Build every node's room index now (after a listing), not in a request."""
+        for node in self.nodes.values():
+            if node.inventory is not None:
+                node.rooms()
 
     def remove_node(self, name: str) -> None:
         node = self.nodes.pop(name, None)
@@ -438,12 +445,13 @@ class ClusterBook:
     def filter(self, specs: Sequence[ContainerSpec], names: Iterable[str]) -> FilterVerdict:
         verdict = FilterVerdict([], {}, {})
         shape = ("filter", _shape(specs))
+        kinds = _slices(specs), _single_whole(specs)
         for name in names:
             node = self.nodes.get(name)
             if node is None:
                 answer: tuple[str, str] = ("never", f"vgpu: {self._missing()}")
             else:
-                answer = node.memo.get(shape) or self._judge(node, specs, shape)
+                answer = node.memo.get(shape) or self._judge(node, specs, shape, kinds)
             if answer[0] == "pass":
                 verdict.passed.append(name)
             elif answer[0] == "never":
@@ -453,11 +461,15 @@ class ClusterBook:
         return verdict
 
     def _judge(
-        self, node: _Node, specs: Sequence[ContainerSpec], shape: tuple[Any, ...]
+        self,
+        node: _Node,
+        specs: Sequence[ContainerSpec],
+        shape: tuple[Any, ...],
+        kinds: tuple[list[Request] | None, Request | None],
     ) -> tuple[str, str]:
         """'pass', 'fail' (room may appear) or 'never', with the reason."""
         answer = ("pass", "")
-        slices, whole = _slices(specs), _single_whole(specs)
+        slices, whole = kinds
         no_room: NoRoom | None = None
         usable = node.inventory is not None and node.healthy_cards > 0
         if usable and slices is not None:
@@ -525,11 +537,16 @@ class ClusterBook:
             if len(self._never) > 4096:
                 self._never.clear()
             self._never[key] = never
-        total = Request(
-            sum(s.request.core_percent for s in specs if not s.init),
-            sum(s.request.memory_units for s in specs if not s.init),
-        )
-        asked = fit.describe_request(total, self.domain, unit)
+        asked = self._asked.get((key[0], unit))
+        if asked is None:
+            total = Request(
+                sum(s.request.core_percent for s in specs if not s.init),
+                sum(s.request.memory_units for s in specs if not s.init),
+            )
+            asked = fit.describe_request(total, self.domain, unit)
+            if len(self._asked) > 4096:
+                self._asked.clear()
+            self._asked[(key[0], unit)] = asked
         if len(specs) == 1:
             where = fit.nearest_room(specs[0].request, node.usages(), unit)
             text = f"vgpu: no card fits {asked}: {where}"
@@ -544,6 +561,7 @@ class ClusterBook:
     ) -> list[tuple[str, int]]:
         """Score 0-10: binpack prefers the node and card left fullest, spread the emptiest."""
         shape = ("prioritize", _shape(specs))
+        kinds = _slices(specs), _single_whole(specs)
         out = []
         for name in names:
             node = self.nodes.get(name)
@@ -552,7 +570,7 @@ class ClusterBook:
                 if shape in node.memo:
                     fullness = node.memo[shape]
                 else:
-                    fullness = node.memo[shape] = self._fullness_after(node, specs)
+                    fullness = node.memo[shape] = self._fullness_after(node, specs, kinds=kinds)
             if fullness is None:
                 out.append((name, 0))
                 continue
@@ -561,7 +579,11 @@ class ClusterBook:
         return out
 
     def _fullness_after(
-        self, node: _Node, specs: Sequence[ContainerSpec], fast: bool = True
+        self,
+        node: _Node,
+        specs: Sequence[ContainerSpec],
+        fast: bool = True,
+        kinds: tuple[list[Request] | None, Request | None] | None = None,
     ) -> float | None:
         """Mean of the chosen card(s)' and the node's fullness once the pod is placed
         (0-1), the card(s) chosen as the node would; None where it does not fit.
@@ -569,7 +591,7 @@ class ClusterBook:
         inv = node.inventory
         if inv is None:
             return None
-        slices, whole = _slices(specs), _single_whole(specs)
+        slices, whole = kinds or (_slices(specs), _single_whole(specs))
         unit = inv.memory_unit_mib
         if fast and slices is not None:
             placed = _greedy(node, slices, inv.policy is Policy.BINPACK)
@@ -580,22 +602,29 @@ class ClusterBook:
             return (card_after + node_after) / 2
         if fast and whole is not None:
             # The cards fit.choose_whole would take: entirely free, so only what the
-            # pod adds counts.
-            try:
-                chosen = fit.choose_whole(whole, node.usages(), unit, self.domain)
-            except (NoRoom, InvalidRequest):
-                return None
+            # pod adds counts; when they are all of one size, which ones is moot.
             node.rooms()
-            cards = {u.card.uuid: u.card for u in node.usages()}
+            empty = node.empty_units
+            count = whole.whole_cards
+            if len(empty) < count:
+                return None
+            if len(set(empty)) == 1 and whole.memory_units <= count * empty[0]:
+                sizes = [empty[0]] * count
+            else:
+                try:
+                    chosen = fit.choose_whole(whole, node.usages(), unit, self.domain)
+                except (NoRoom, InvalidRequest):
+                    return None
+                by_uuid = {u.card.uuid: u.card for u in node.usages()}
+                sizes = [by_uuid[uuid].memory_units(unit) for uuid in chosen]
             left = whole.memory_units
             added = 0.0
-            for uuid in chosen:
-                units = cards[uuid].memory_units(unit)
+            for units in sizes:
                 mem = min(left, units)
                 left -= mem
                 added += (1 + mem / max(1, units)) / 2
             node_after = (node.fullness_sum + added) / max(1, node.healthy_count)
-            return (added / len(chosen) + node_after) / 2
+            return (added / len(sizes) + node_after) / 2
         try:
             plan = self.plan(specs, node.name)
         except (NodeUnusable, NoRoom, InvalidRequest):

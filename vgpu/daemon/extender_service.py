@@ -92,6 +92,7 @@ class ExtenderService:
     def pods_listed(self, pods: list[PodInfo]) -> None:
         with self._lock:
             self.book.replace_pods(pods)
+            self.book.warm()
 
     def pod_changed(self, pod: PodInfo) -> None:
         with self._lock:
@@ -104,13 +105,15 @@ class ExtenderService:
     # ------------------------------------------------------------ verbs
 
     def filter(self, pod: PodRequest, nodes: Sequence[str]) -> FilterVerdict | str:
+        if not pod.specs:  # asks no vgpu resource (no managedResources configured)
+            return FilterVerdict(list(nodes), {}, {})
         if not self.ready():
             return NOT_SYNCED
         with self._lock:
             return self.book.filter(pod.specs, nodes)
 
     def prioritize(self, pod: PodRequest, nodes: Sequence[str]) -> list[tuple[str, int]]:
-        if not self.ready():
+        if not pod.specs or not self.ready():
             return [(n, 0) for n in nodes]
         with self._lock:
             return self.book.prioritize(pod.specs, nodes, self.policy)

@@ -86,9 +86,9 @@ def build_pods(settings: Settings, on_gone: Callable[[], None]) -> PodSource:
 
 def build_node_publisher(settings: Settings, pods: PodSource) -> NodePublisher:
     """The Node annotator goes with the pod cache: both need the API server."""
-    if not pods.enabled or not settings.node_name:
+    if not isinstance(pods, KubePodCache) or not settings.node_name:
         return NoNodePublisher()
-    return KubeNodePublisher(settings.node_name, settings.kubeconfig)
+    return KubeNodePublisher(settings.node_name, settings.kubeconfig, client=pods.client)
 
 
 class Daemon:
