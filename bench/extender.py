@@ -34,7 +34,7 @@ from vgpu.core.model import Card, CardUuid, Policy
 from vgpu.core.scheduling import FilterVerdict
 from vgpu.daemon.extender_service import ExtenderService
 from vgpu.sim.apiserver import FakeApiServer, make_node, make_pod
-from vgpu.sim.cluster import free_port
+from vgpu.sim.cluster import extender_command, free_port
 from vgpu.sim.harness import wait_until
 
 DOMAIN = "vendor.io"
@@ -264,18 +264,7 @@ def _rss(node_json: list[dict[str, Any]], pods: list[dict[str, Any]]) -> Json:
     log = open(root / "extender.log", "wb")  # noqa: SIM115 - closed below
     started = time.perf_counter()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vgpu",
-            "extender",
-            "--kubeconfig",
-            str(kubeconfig),
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--metrics-address",
-            f"127.0.0.1:{metrics}",
-        ],
+        extender_command(kubeconfig, port, "--metrics-address", f"127.0.0.1:{metrics}"),
         stdout=log,
         stderr=subprocess.STDOUT,
     )

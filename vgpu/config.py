@@ -256,33 +256,45 @@ def read_file(path: Path, keys: Mapping[str, str] = KEYS) -> dict[str, Any]:
     return data
 
 
-def load(
+def _merge(
+    keys: Mapping[str, str],
     flags: Mapping[str, Any],
-    env: Mapping[str, str] | None = None,
-    config_file: Path | None = None,
-) -> Settings:
-    """Merge flags > env > file > defaults, validate, and return Settings."""
+    env: Mapping[str, str] | None,
+    config_file: Path | None,
+    aliases: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Typed values of `keys`, merged flags > VGPU_<KEY> env (then `aliases`, env
+    name -> key) > file; each checked, an error naming the key and its source."""
     env = os.environ if env is None else env
     raw: dict[str, tuple[Any, str]] = {}
     file_path = config_file or (
         Path(env["VGPU_CONFIG_FILE"]) if env.get("VGPU_CONFIG_FILE") else None
     )
     if file_path is not None:
-        for key, value in read_file(file_path).items():
+        for key, value in read_file(file_path, keys).items():
             raw[key] = (value, f"config file {file_path}")
-    if env.get("NODE_NAME"):
-        raw["node_name"] = (env["NODE_NAME"], "environment NODE_NAME")
-    for key in KEYS:
+    for name, key in (aliases or {}).items():
+        if env.get(name):
+            raw[key] = (env[name], f"environment {name}")
+    for key in keys:
         name = "VGPU_" + key.upper()
         if name in env:
             raw[key] = (env[name], f"environment {name}")
     for key, value in flags.items():
-        if key not in KEYS:
+        if key not in keys:
             raise ConfigError(f"unknown setting {key!r}")
         if value is not None:
             raw[key] = (value, f"flag --{key.replace('_', '-')}")
-    values = {key: _convert(key, value, source) for key, (value, source) in raw.items()}
-    settings = Settings(**values)
+    return {key: _convert(key, value, source) for key, (value, source) in raw.items()}
+
+
+def load(
+    flags: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+) -> Settings:
+    """Merge flags > env > file > defaults, validate, and return Settings."""
+    settings = Settings(**_merge(KEYS, flags, env, config_file, {"NODE_NAME": "node_name"}))
     if settings.backend == "mock" and settings.mock_gpus is None:
         raise ConfigError(
             "backend=mock needs mock_gpus: pass --mock-gpus FILE (a JSON/YAML list of cards)"
@@ -296,26 +308,7 @@ def load_extender(
     config_file: Path | None = None,
 ) -> ExtenderSettings:
     """`vgpu extender`'s settings: flags > VGPU_<KEY> env > file > defaults."""
-    env = os.environ if env is None else env
-    raw: dict[str, tuple[Any, str]] = {}
-    file_path = config_file or (
-        Path(env["VGPU_CONFIG_FILE"]) if env.get("VGPU_CONFIG_FILE") else None
-    )
-    if file_path is not None:
-        for key, value in read_file(file_path, EXTENDER_KEYS).items():
-            raw[key] = (value, f"config file {file_path}")
-    for key in EXTENDER_KEYS:
-        name = "VGPU_" + key.upper()
-        if name in env:
-            raw[key] = (env[name], f"environment {name}")
-    for key, value in flags.items():
-        if key not in EXTENDER_KEYS:
-            raise ConfigError(f"unknown setting {key!r}")
-        if value is not None:
-            raw[key] = (value, f"flag --{key.replace('_', '-')}")
-    return ExtenderSettings(
-        **{key: _convert(key, value, source) for key, (value, source) in raw.items()}
-    )
+    return ExtenderSettings(**_merge(EXTENDER_KEYS, flags, env, config_file))
 
 
 def default_file() -> str:

@@ -238,17 +238,14 @@ slices = st.tuples(st.integers(1, 99), st.integers(1, 561)) | st.tuples(
 wholes = st.tuples(st.sampled_from([100, 200, 300]), st.integers(0, 1200))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    st.lists(st.tuples(slices | wholes, st.integers(0, 2)), max_size=10),
-    slices | wholes,
-    st.sampled_from(list(Policy)),
-)
-def test_fast_paths_agree_with_the_fit_rules(
-    running: list[tuple[tuple[int, int], int]], new: tuple[int, int], policy: Policy
+def _check_fast_paths(
+    running: list[tuple[tuple[int, int], int]],
+    pod_specs: tuple[ContainerSpec, ...],
+    policy: Policy,
 ) -> None:
-    """The room index answers exactly what place_pod answers, for one-slice and
-    whole-card pods, in filter and in prioritize."""
+    """On a node holding `running` (placed by the rules; the int chooses whether
+    the placements annotation or the node's policy names the card), the room
+    index answers exactly what place_pod answers, in filter and in prioritize."""
     b = ClusterBook(DOMAIN)
     b.set_node("n", inventory(3, policy=policy))
     for request, card in running:
@@ -258,52 +255,39 @@ def test_fast_paths_agree_with_the_fit_rules(
             continue
         b.set_pod(pod(request, node="n", placements=dict(plan.cards) if card else None))
     try:
-        b.plan(specs(new), "n")
+        b.plan(pod_specs, "n")
         fits = True
     except (NoRoom, InvalidRequest):
         fits = False
-    verdict = b.filter(specs(new), ["n"])
+    verdict = b.filter(pod_specs, ["n"])
     assert (verdict.passed == ["n"]) is fits
-    node = b.nodes["n"]
-    fast = b._fullness_after(node, specs(new), fast=True)
-    general = b._fullness_after(node, specs(new), fast=False)
-    assert (fast is None) is (general is None) is (not fits)
-    if fast is not None and general is not None:
-        assert fast == pytest.approx(general)
-    # Asked again, the node's memo answers the same.
-    assert b.filter(specs(new), ["n"]) == verdict
-
-
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    st.lists(st.tuples(slices | wholes, st.integers(0, 2)), max_size=8),
-    st.lists(slices, min_size=2, max_size=4),
-    st.sampled_from(list(Policy)),
-)
-def test_the_fast_path_places_several_slices_as_place_pod_does(
-    running: list[tuple[tuple[int, int], int]], new: list[tuple[int, int]], policy: Policy
-) -> None:
-    b = ClusterBook(DOMAIN)
-    b.set_node("n", inventory(3, policy=policy))
-    for request, _ in running:
-        try:
-            plan = b.plan(specs(request), "n")
-        except (NoRoom, InvalidRequest):
-            continue
-        b.set_pod(pod(request, node="n", placements=dict(plan.cards)))
-    pod_specs = specs(*new)
-    try:
-        b.plan(pod_specs, "n")
-        fits = True
-    except NoRoom:
-        fits = False
-    assert (b.filter(pod_specs, ["n"]).passed == ["n"]) is fits
     node = b.nodes["n"]
     fast = b._fullness_after(node, pod_specs, fast=True)
     general = b._fullness_after(node, pod_specs, fast=False)
     assert (fast is None) is (general is None) is (not fits)
     if fast is not None and general is not None:
         assert fast == pytest.approx(general)
+    # Asked again, the node's memo answers the same.
+    assert b.filter(pod_specs, ["n"]) == verdict
+
+
+running_pods = st.lists(st.tuples(slices | wholes, st.integers(0, 2)), max_size=10)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(running_pods, slices | wholes, st.sampled_from(list(Policy)))
+def test_fast_paths_agree_with_the_fit_rules(
+    running: list[tuple[tuple[int, int], int]], new: tuple[int, int], policy: Policy
+) -> None:
+    _check_fast_paths(running, specs(new), policy)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(running_pods, st.lists(slices, min_size=2, max_size=4), st.sampled_from(list(Policy)))
+def test_the_fast_path_places_several_slices_as_place_pod_does(
+    running: list[tuple[tuple[int, int], int]], new: list[tuple[int, int]], policy: Policy
+) -> None:
+    _check_fast_paths(running, specs(*new), policy)
 
 
 def test_the_memo_forgets_when_the_node_changes() -> None:

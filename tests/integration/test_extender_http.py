@@ -8,7 +8,6 @@ import http.client
 import json
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from vgpu.core.annotations import format_inventory
 from vgpu.core.model import Card, CardUuid, Policy
 from vgpu.sim.apiserver import FakeApiServer, make_node, make_pod
-from vgpu.sim.cluster import free_port
+from vgpu.sim.cluster import extender_command, free_port
 from vgpu.sim.harness import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,20 +59,14 @@ class Extender:
         self.log = root / f"extender-{self.port}.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "vgpu",
-                    "extender",
-                    "--kubeconfig",
-                    str(kubeconfig),
-                    "--listen",
-                    f"127.0.0.1:{self.port}",
+                extender_command(
+                    kubeconfig,
+                    self.port,
                     "--metrics-address",
                     f"127.0.0.1:{self.metrics_port}",
                     "--bind-timeout-s",
                     "1",
-                ],
+                ),
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
@@ -151,6 +144,16 @@ def ext(api: FakeApiServer, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         text = extender.text()
         assert rc == 0, text
         assert "Traceback" not in text, text
+
+
+def _bind(pod: dict[str, Any], node: str) -> dict[str, str]:
+    meta = pod["metadata"]
+    return {
+        "PodName": meta["name"],
+        "PodNamespace": meta["namespace"],
+        "PodUID": meta["uid"],
+        "Node": node,
+    }
 
 
 def _args(pod: dict[str, Any], names: list[str] | None = None, nodes: Any = None) -> dict[str, Any]:
@@ -263,12 +266,7 @@ def test_a_bind_that_no_longer_fits_is_refused_and_writes_nothing(
     ext: Extender, api: FakeApiServer
 ) -> None:
     pod = api.add_pod(_pod("too-big", 30, 40, node=None))
-    args = {
-        "PodName": "too-big",
-        "PodNamespace": "default",
-        "PodUID": pod["metadata"]["uid"],
-        "Node": "n-full",
-    }
+    args = _bind(pod, "n-full")
     error = ext.post("bind", args)["Error"]
     assert "no longer fits on node n-full" in error
     stored = api.get_pod("default", "too-big") or {}
@@ -283,12 +281,7 @@ def test_api_outage_answers_from_the_cache_and_fails_binds_clearly(
     api.set_down(True)
     try:
         assert ext.post("filter", _args(pod, ["n-free", "n-full"]))["NodeNames"] == ["n-free"]
-        args = {
-            "PodName": "in-outage",
-            "PodNamespace": "default",
-            "PodUID": pod["metadata"]["uid"],
-            "Node": "n-free",
-        }
+        args = _bind(pod, "n-free")
         error = ext.post("bind", args)["Error"]
         assert "failed" in error and "HTTP 503" in error
     finally:
@@ -335,12 +328,7 @@ def test_a_slow_api_server_fails_the_bind_at_its_timeout(ext: Extender, api: Fak
         started = time.monotonic()
         assert ext.post("filter", _args(pod, ["n-free"]))["NodeNames"] == ["n-free"]
         assert time.monotonic() - started < 1.0  # answered from the cache
-        args = {
-            "PodName": "slow",
-            "PodNamespace": "default",
-            "PodUID": pod["metadata"]["uid"],
-            "Node": "n-free",
-        }
+        args = _bind(pod, "n-free")
         error = ext.post("bind", args)["Error"]
         assert "annotating pod default/slow: API server unreachable" in error, error
     finally:

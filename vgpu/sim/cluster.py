@@ -33,6 +33,21 @@ def free_port() -> int:
         return port
 
 
+def extender_command(kubeconfig: Path, port: int, *args: str) -> list[str]:
+    """`vgpu extender` on 127.0.0.1:`port` against the API server of `kubeconfig`."""
+    return [
+        sys.executable,
+        "-m",
+        "vgpu",
+        "extender",
+        "--kubeconfig",
+        str(kubeconfig),
+        "--listen",
+        f"127.0.0.1:{port}",
+        *args,
+    ]
+
+
 class SimCluster:
     def __init__(
         self,
@@ -105,19 +120,13 @@ class SimCluster:
         self.scheduler.start()
 
     def extender_command(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "vgpu",
-            "extender",
-            "--kubeconfig",
-            str(self.kubeconfig),
-            "--listen",
-            f"127.0.0.1:{self.extender_port}",
+        return extender_command(
+            self.kubeconfig,
+            self.extender_port,
             "--resource-domain",
             self.domain,
             *self.extender_args,
-        ]
+        )
 
     def start_extender(self, wait: bool = True, timeout_s: float = 30.0) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
