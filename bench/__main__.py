@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import admission, dra, footprint, hooks, packing, scale
+from bench import admission, dra, extender, footprint, hooks, packing, scale
 from bench.common import Json, machine
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
@@ -26,13 +26,24 @@ class Plan:
     idle_s: float
     arrivals: int
     settle_limit_s: float
+    extender_nodes: int = 1000
+    extender_slices: int = 20000
+    extender_pods: int = 400
 
 
 FULL = Plan(
     admissions=400, scale_repeats=3, churn=1000, idle_s=30.0, arrivals=4000, settle_limit_s=90.0
 )
 QUICK = Plan(
-    admissions=60, scale_repeats=1, churn=200, idle_s=5.0, arrivals=300, settle_limit_s=15.0
+    admissions=60,
+    scale_repeats=1,
+    churn=200,
+    idle_s=5.0,
+    arrivals=300,
+    settle_limit_s=15.0,
+    extender_nodes=100,
+    extender_slices=2000,
+    extender_pods=100,
 )
 
 
@@ -44,6 +55,9 @@ def sections(plan: Plan) -> dict[str, Callable[[], Json]]:
         "packing": lambda: packing.run(plan.arrivals),
         "hooks": hooks.run,
         "dra": lambda: dra.run(plan.admissions // 2),
+        "extender": lambda: extender.run(
+            plan.extender_nodes, plan.extender_slices, plan.extender_pods
+        ),
     }
 
 
@@ -149,6 +163,25 @@ def _rows_dra(r: Json) -> list[list[str]]:
     return rows
 
 
+def _rows_extender(r: Json) -> list[list[str]]:
+    rows = [["", "vgpu p50", "vgpu p99", "null p50", "null p99", "p99 x"]]
+    for verb in ("filter", "prioritize", "bind"):
+        v, n = r["vgpu"][verb], r["null"][verb]
+        rows.append(
+            [
+                f"{verb} (ms)",
+                f"{v['p50_ms']:.2f}",
+                f"{v['p99_ms']:.2f}",
+                f"{n['p50_ms']:.3f}",
+                f"{n['p99_ms']:.3f}",
+                f"{r['p99_ratio_vs_null'][verb]:.1f}",
+            ]
+        )
+    rows.append(["pods/s", str(r["vgpu"]["pods_per_s"]), "", str(r["null"]["pods_per_s"]), "", ""])
+    rows.append(["RSS MiB", str(r["rss_mib"]), "", "", "", ""])
+    return rows
+
+
 ROWS: dict[str, Callable[[Json], list[list[str]]]] = {
     "admission": _rows_admission,
     "scale": _rows_scale,
@@ -156,6 +189,7 @@ ROWS: dict[str, Callable[[Json], list[list[str]]]] = {
     "packing": _rows_packing,
     "hooks": _rows_hooks,
     "dra": _rows_dra,
+    "extender": _rows_extender,
 }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("admission", "scale", "footprint", "packing", "hooks", "dra")
+SECTIONS = ("admission", "scale", "footprint", "packing", "hooks", "dra", "extender")
 
 
 def _numbers(value: Any) -> list[float]:
@@ -84,6 +84,11 @@ def test_bench_quick_writes_every_section(tmp_path: Path) -> None:
     assert 0 < dra["publication_s"]["p50_s"] <= dra["publication_s"]["max_s"]
     assert dra["claim_reads"]["cache"] + dra["claim_reads"].get("api", 0) > 0
     assert len(dra["targets"]) == 3
+    ext = sections["extender"]
+    assert ext["vgpu"]["bound"] > 0 and ext["rss_mib"] > 0
+    for verb in ("filter", "prioritize", "bind"):
+        assert ext["vgpu"][verb]["p99_ms"] >= ext["vgpu"][verb]["p50_ms"] > 0
+    assert len(ext["targets"]) == 5
 
     hooks = sections["hooks"]
     if hooks["available"]:

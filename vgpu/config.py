@@ -69,17 +69,21 @@ class Settings:
 
     def public(self) -> dict[str, Any]:
         """The effective settings as plain data (for the start-up log and `config`)."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Path):
-                value = str(value)
-            elif isinstance(value, Policy):
-                value = value.value
-            elif isinstance(value, tuple):
-                value = list(value)
-            out[f.name] = value
-        return out
+        return _public(self)
+
+
+def _public(settings: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if isinstance(value, Path):
+            value = str(value)
+        elif isinstance(value, Policy):
+            value = value.value
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
 
 
 # key -> (help text, allowed values text). The order is that of `config default`.
@@ -131,6 +135,36 @@ _OPTIONAL = {
     "kubelet_plugin_dir",
 }
 MODES = ("device-plugin", "dra")
+
+
+@dataclass(frozen=True)
+class ExtenderSettings:
+    """Everything `vgpu extender` can be told (same precedence as `vgpu serve`)."""
+
+    listen: str = "127.0.0.1:8888"
+    kubeconfig: Path | None = None
+    resource_domain: str = "vendor.io"
+    policy: Policy = Policy.BINPACK
+    metrics_address: str | None = None
+    log_format: str = "text"
+    log_level: str = "info"
+    bind_timeout_s: float = 5.0
+
+    def public(self) -> dict[str, Any]:
+        return _public(self)
+
+
+# `vgpu extender`'s keys; the shared ones mean what they mean for `vgpu serve`.
+EXTENDER_KEYS: dict[str, str] = {
+    "listen": "HOST:PORT of the extender's HTTP endpoint (kube-scheduler's urlPrefix)",
+    "kubeconfig": KEYS["kubeconfig"],
+    "resource_domain": KEYS["resource_domain"],
+    "policy": "node choice at prioritize: binpack (fullest node and card) or spread (emptiest)",
+    "metrics_address": KEYS["metrics_address"],
+    "log_format": KEYS["log_format"],
+    "log_level": KEYS["log_level"],
+    "bind_timeout_s": "longest wait for each API call at bind (0.1-30); the bind then fails",
+}
 
 
 def _convert(key: str, value: Any, source: str) -> Any:
@@ -189,7 +223,9 @@ def _convert(key: str, value: Any, source: str) -> Any:
         if not isinstance(items, list | tuple):
             raise bad("a list of XID numbers, e.g. [13, 31, 43]")
         return tuple(sorted({_int(i, 1, 1000, bad) for i in items if str(i).strip() != ""}))
-    if key == "metrics_address":
+    if key == "bind_timeout_s":
+        return _float(value, 0.1, 30.0, bad)
+    if key in ("metrics_address", "listen"):
         match = _ADDRESS_RE.match(str(value))
         if not match or not 0 < int(match.group(2)) < 65536:
             raise bad("HOST:PORT, e.g. 0.0.0.0:9400 or 127.0.0.1:9400")
@@ -223,7 +259,7 @@ def _float(value: Any, low: float, high: float, bad: Any) -> float:
     return number
 
 
-def read_file(path: Path) -> dict[str, Any]:
+def read_file(path: Path, keys: Mapping[str, str] = KEYS) -> dict[str, Any]:
     """Parse and check a config file's shape; ConfigError names the line or key."""
     try:
         text = path.read_text()
@@ -249,11 +285,43 @@ def read_file(path: Path) -> dict[str, Any]:
             f"write 'version: {CONFIG_VERSION}' as the first line"
         )
     for key in data:
-        if key not in KEYS:
+        if key not in keys:
             raise ConfigError(
-                f"config file {path}: unknown key {key!r}; known keys: {', '.join(KEYS)}"
+                f"config file {path}: unknown key {key!r}; known keys: {', '.join(keys)}"
             )
     return data
+
+
+def _merge(
+    keys: Mapping[str, str],
+    flags: Mapping[str, Any],
+    env: Mapping[str, str] | None,
+    config_file: Path | None,
+    aliases: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Typed values of `keys`, merged flags > VGPU_<KEY> env (then `aliases`, env
+    name -> key) > file; each checked, an error naming the key and its source."""
+    env = os.environ if env is None else env
+    raw: dict[str, tuple[Any, str]] = {}
+    file_path = config_file or (
+        Path(env["VGPU_CONFIG_FILE"]) if env.get("VGPU_CONFIG_FILE") else None
+    )
+    if file_path is not None:
+        for key, value in read_file(file_path, keys).items():
+            raw[key] = (value, f"config file {file_path}")
+    for name, key in (aliases or {}).items():
+        if env.get(name):
+            raw[key] = (env[name], f"environment {name}")
+    for key in keys:
+        name = "VGPU_" + key.upper()
+        if name in env:
+            raw[key] = (env[name], f"environment {name}")
+    for key, value in flags.items():
+        if key not in keys:
+            raise ConfigError(f"unknown setting {key!r}")
+        if value is not None:
+            raw[key] = (value, f"flag --{key.replace('_', '-')}")
+    return {key: _convert(key, value, source) for key, (value, source) in raw.items()}
 
 
 def load(
@@ -262,32 +330,21 @@ def load(
     config_file: Path | None = None,
 ) -> Settings:
     """Merge flags > env > file > defaults, validate, and return Settings."""
-    env = os.environ if env is None else env
-    raw: dict[str, tuple[Any, str]] = {}
-    file_path = config_file or (
-        Path(env["VGPU_CONFIG_FILE"]) if env.get("VGPU_CONFIG_FILE") else None
-    )
-    if file_path is not None:
-        for key, value in read_file(file_path).items():
-            raw[key] = (value, f"config file {file_path}")
-    if env.get("NODE_NAME"):
-        raw["node_name"] = (env["NODE_NAME"], "environment NODE_NAME")
-    for key in KEYS:
-        name = "VGPU_" + key.upper()
-        if name in env:
-            raw[key] = (env[name], f"environment {name}")
-    for key, value in flags.items():
-        if key not in KEYS:
-            raise ConfigError(f"unknown setting {key!r}")
-        if value is not None:
-            raw[key] = (value, f"flag --{key.replace('_', '-')}")
-    values = {key: _convert(key, value, source) for key, (value, source) in raw.items()}
-    settings = Settings(**values)
+    settings = Settings(**_merge(KEYS, flags, env, config_file, {"NODE_NAME": "node_name"}))
     if settings.backend == "mock" and settings.mock_gpus is None:
         raise ConfigError(
             "backend=mock needs mock_gpus: pass --mock-gpus FILE (a JSON/YAML list of cards)"
         )
     return settings
+
+
+def load_extender(
+    flags: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+) -> ExtenderSettings:
+    """`vgpu extender`'s settings: flags > VGPU_<KEY> env > file > defaults."""
+    return ExtenderSettings(**_merge(EXTENDER_KEYS, flags, env, config_file))
 
 
 def default_file() -> str:

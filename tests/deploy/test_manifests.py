@@ -22,6 +22,7 @@ KUBECTL_EXTENSIONS = (".yaml", ".yml", ".json")
 OLDEST_SUPPORTED = "1.30"
 NAMESPACE = "vgpu-system"
 POD_VERBS = {"get", "list", "watch", "patch"}
+NODE_VERBS = {"get", "patch"}  # the vgpu-node inventory annotation on the daemon's own Node
 HOST_DIRS = {
     "/var/lib/kubelet/device-plugins",
     "/var/lib/kubelet/pod-resources",
@@ -136,7 +137,7 @@ def test_cluster_role_grants_exactly_what_vgpu_uses() -> None:
         assert "resourceNames" not in rule and "nonResourceURLs" not in rule
         for resource in rule["resources"]:
             granted.setdefault(resource, set()).update(rule["verbs"])
-    assert granted == {"pods": POD_VERBS}
+    assert granted == {"pods": POD_VERBS, "nodes": NODE_VERBS}
 
 
 def test_rbac_has_no_wildcard_and_no_secrets() -> None:

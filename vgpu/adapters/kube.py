@@ -17,7 +17,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from vgpu.core.model import ContainerSpec, Request, Resource
+from vgpu.core.annotations import assignment_key, parse_assignment
+from vgpu.core.model import CardUuid, ContainerSpec, Request, Resource
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ class PodSource(Protocol):
     enabled: bool  # False: no API server configured at all
 
     def candidates(self) -> list[ContainerSpec]:
-        """Containers of pods on this node still being admitted (phase Pending), oldest first."""
+        """Containers of pods on this node still being admitted (phase Pending), in the
+        order the kubelet admits them: as the pods were bound here, then oldest first."""
         ...
 
     def synced(self) -> bool:
@@ -114,6 +116,7 @@ def container_specs(pod: dict[str, Any], domain: str) -> list[ContainerSpec]:
         created_s = 0.0
     core_name = Resource.CORE.full_name(domain)
     mem_name = Resource.MEMORY.full_name(domain)
+    assigned = _assigned_cards(meta, spec, domain)
     out = []
     order = 0
     for init, key in ((True, "initContainers"), (False, "containers")):
@@ -136,9 +139,48 @@ def container_specs(pod: dict[str, Any], domain: str) -> list[ContainerSpec]:
                     created_s=created_s,
                     init=init,
                     order=order,
+                    assigned=assigned.get(str(container.get("name", ""))),
                 )
             )
     return out
+
+
+def _assigned_cards(
+    meta: dict[str, Any], spec: dict[str, Any], domain: str
+) -> dict[str, tuple[CardUuid, ...]]:
+    """The extender's assignment, if it names the node the pod is bound to."""
+    text = (meta.get("annotations") or {}).get(assignment_key(domain))
+    if not isinstance(text, str):
+        return {}
+    try:
+        assignment = parse_assignment(text)
+    except ValueError as exc:
+        log.debug("pod %s/%s: ignoring %s", meta.get("namespace"), meta.get("name"), exc)
+        return {}
+    if assignment.node != spec.get("nodeName"):
+        return {}  # bound elsewhere than the extender chose (e.g. by another scheduler)
+    return dict(assignment.containers)
+
+
+def core_v1_api(kubeconfig: Path | None) -> Any:
+    """A CoreV1Api for the kubeconfig file, or the in-cluster service account."""
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    if kubeconfig is not None:
+        config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
+    else:
+        config.load_incluster_config(client_configuration=cfg)
+    cfg.retries = False
+    return client.CoreV1Api(client.ApiClient(cfg))
+
+
+def _rv_number(meta: dict[str, Any]) -> int:
+    """A resourceVersion as a number for ordering (etcd's are; 0 when not)."""
+    try:
+        return int(str(meta.get("resourceVersion", "")))
+    except ValueError:
+        return 0
 
 
 def _raw_watch() -> Any:
@@ -173,6 +215,7 @@ class KubePodCache:
         self.backoff_max_s = backoff_max_s
         self._pods: dict[str, dict[str, Any]] = {}  # uid -> pod JSON
         self._specs: dict[str, list[ContainerSpec]] = {}
+        self._arrival: dict[str, int] = {}  # uid -> resourceVersion when first seen
         self._cond = threading.Condition()
         self._synced = False
         self._version = 0
@@ -183,24 +226,27 @@ class KubePodCache:
 
     def _client(self) -> Any:
         if self._api is None:
-            from kubernetes import client, config
-
-            if self.kubeconfig is not None:
-                cfg = client.Configuration()
-                config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=cfg)
-            else:
-                cfg = client.Configuration()
-                config.load_incluster_config(client_configuration=cfg)
-            cfg.retries = False
-            self._api = client.CoreV1Api(client.ApiClient(cfg))
+            self._api = core_v1_api(self.kubeconfig)
         return self._api
+
+    def client(self) -> Any:
+        """The CoreV1Api this cache uses (one client per daemon: it is not small)."""
+        return self._client()
 
     # ------------------------------------------------------------- reads
 
     def candidates(self) -> list[ContainerSpec]:
+        # The kubelet admits pods as they reach it from its own watch of this node
+        # (sorting only pods that arrive together by creation time), i.e. in the
+        # order they were bound here: by the resourceVersion we first saw them at
+        # (a pending pod's is its binding's), then by creation time.
         with self._cond:
             specs = [s for specs in self._specs.values() for s in specs]
-        return sorted(specs, key=lambda s: (s.created_s, s.namespace, s.pod, s.order))
+            arrival = dict(self._arrival)
+        return sorted(
+            specs,
+            key=lambda s: (arrival.get(s.pod_uid, 0), s.created_s, s.namespace, s.pod, s.order),
+        )
 
     def synced(self) -> bool:
         return self._synced
@@ -254,8 +300,11 @@ class KubePodCache:
             if gone:
                 existed = self._pods.pop(uid, None) is not None
                 self._specs.pop(uid, None)
+                self._arrival.pop(uid, None)
             else:
                 existed = False
+                if uid not in self._arrival:
+                    self._arrival[uid] = _rv_number(meta)
                 self._pods[uid] = obj
                 if phase == "Pending" and not meta.get("deletionTimestamp"):
                     self._specs[uid] = container_specs(obj, self.domain)
@@ -279,9 +328,13 @@ class KubePodCache:
                         field_selector=selector, _preload_content=False, _request_timeout=10
                     )
                     data = json.loads(reply.data)
+                    listed = {
+                        str((i.get("metadata") or {}).get("uid", "")) for i in data.get("items", [])
+                    }
                     with self._cond:
                         self._pods.clear()
                         self._specs.clear()
+                        self._arrival = {u: n for u, n in self._arrival.items() if u in listed}
                     for item in data.get("items", []):
                         self._apply("ADDED", item)
                     resource_version = data["metadata"]["resourceVersion"]
@@ -362,3 +415,107 @@ class KubePodCache:
                     )
                     if stop.wait(min(2**attempt * 0.5, 10)):
                         return
+
+
+class NodePublisher(Protocol):
+    """Publishes annotations on this node's Node object."""
+
+    def publish(self, annotations: dict[str, str]) -> None:
+        """Queue the latest value (best effort, off the hot path; older values are dropped)."""
+        ...
+
+    def start(self, stop: threading.Event) -> None: ...
+
+
+class NoNodePublisher:
+    """No API server configured: nothing is published."""
+
+    def publish(self, annotations: dict[str, str]) -> None:
+        return None
+
+    def start(self, stop: threading.Event) -> None:
+        return None
+
+
+class KubeNodePublisher:
+    """Patches annotations on one Node when they change; retries with backoff.
+
+    Only the latest value is kept: a change while the API server is down is
+    published once it is back. Before patching, the Node is read, and a value
+    already there is not written again (a restarted daemon patches nothing).
+    """
+
+    def __init__(
+        self,
+        node_name: str,
+        kubeconfig: Path | None,
+        backoff_max_s: float = 30.0,
+        client: Callable[[], Any] | None = None,
+    ):
+        self.node_name = node_name
+        self.kubeconfig = kubeconfig
+        self.backoff_max_s = backoff_max_s
+        self._shared_client = client
+        self._cond = threading.Condition()
+        self._wanted: dict[str, str] | None = None
+        self._api: Any = None
+        self.patches = 0
+
+    def publish(self, annotations: dict[str, str]) -> None:
+        with self._cond:
+            self._wanted = dict(annotations)
+            self._cond.notify_all()
+
+    def start(self, stop: threading.Event) -> None:
+        def wake() -> None:
+            stop.wait()
+            with self._cond:
+                self._cond.notify_all()
+
+        threading.Thread(target=wake, name="node-publish-stop", daemon=True).start()
+        threading.Thread(target=self._loop, args=(stop,), name="node-publish", daemon=True).start()
+
+    def _loop(self, stop: threading.Event) -> None:
+        backoff = 0.5
+        while not stop.is_set():
+            with self._cond:
+                self._cond.wait_for(lambda: self._wanted is not None or stop.is_set())
+                wanted, self._wanted = self._wanted, None
+            if wanted is None:
+                return
+            try:
+                self._patch(wanted)
+                backoff = 0.5
+            except Exception as exc:  # client, urllib3 and socket errors alike
+                status = getattr(exc, "status", None)
+                log.warning(
+                    "cannot annotate node %s (%s), retrying in %.1fs",
+                    self.node_name,
+                    f"HTTP {status}" if status else type(exc).__name__,
+                    backoff,
+                )
+                with self._cond:
+                    if self._wanted is None:
+                        self._wanted = wanted  # unless a newer value came meanwhile
+                if stop.wait(backoff):
+                    return
+                backoff = min(backoff * 2, self.backoff_max_s)
+
+    def _patch(self, wanted: dict[str, str]) -> None:
+        if self._api is None:
+            shared = self._shared_client
+            self._api = shared() if shared is not None else core_v1_api(self.kubeconfig)
+        reply = self._api.read_node(self.node_name, _preload_content=False, _request_timeout=5)
+        current = (json.loads(reply.data).get("metadata") or {}).get("annotations") or {}
+        if all(current.get(k) == v for k, v in wanted.items()):
+            return
+        reply = self._api.patch_node(
+            self.node_name,
+            {"metadata": {"annotations": wanted}},
+            _request_timeout=5,
+            _preload_content=False,
+        )
+        reply.read()
+        reply.release_conn()
+        self.patches += 1
+        log.info("published %s on node %s", ", ".join(sorted(wanted)), self.node_name)

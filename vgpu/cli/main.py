@@ -45,6 +45,18 @@ SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+EXTENDER_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--listen", {"metavar": "HOST:PORT", "help": "HTTP endpoint (default 127.0.0.1:8888)"}),
+    ("--kubeconfig", {"metavar": "FILE", "help": "kubeconfig; default in-cluster"}),
+    ("--resource-domain", {"metavar": "D", "help": "resource domain (default vendor.io)"}),
+    ("--policy", {"choices": ["binpack", "spread"], "help": "node choice (default binpack)"}),
+    ("--metrics-address", {"metavar": "HOST:PORT", "help": "serve /metrics and /healthz"}),
+    ("--log-format", {"choices": ["text", "json"], "help": "log format (default text)"}),
+    ("--log-level", {"choices": ["debug", "info", "warning", "error"]}),
+    ("--bind-timeout-s", {"metavar": "S", "help": "API call timeout at bind (default 5)"}),
+]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vgpu", description="Fractional NVIDIA GPU slices for Kubernetes."
@@ -57,17 +69,40 @@ def _parser() -> argparse.ArgumentParser:
     for flag, kwargs in SERVE_FLAGS:
         serve.add_argument(flag, default=None, **kwargs)
 
+    extender = sub.add_parser(
+        "extender", help="serve kube-scheduler's HTTP extender protocol (per-card fit)"
+    )
+    extender.add_argument(
+        "--config", metavar="FILE", type=Path, help="YAML config file (version: v1)"
+    )
+    for flag, kwargs in EXTENDER_FLAGS:
+        extender.add_argument(flag, default=None, **kwargs)
+
     demo = sub.add_parser("demo", help="mock GPUs against the built-in kubelet simulator")
     demo.add_argument("--gpus", default="preset:2xH200", help="mock cards (default preset:2xH200)")
     demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
     demo.add_argument(
         "--dra", action="store_true", help="DRA mode: claims fitted by a scheduler stand-in"
     )
+    demo.add_argument(
+        "--cluster",
+        action="store_true",
+        help="three mock nodes, the scheduler extender and a scheduler stand-in",
+    )
 
     status = sub.add_parser("status", help="show cards, slices and containers on this node")
     status.add_argument("--state-dir", type=Path, default=None, help="default /var/lib/vgpu")
     status.add_argument("-o", "--output", choices=["table", "json", "wide"], default="table")
     status.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    status.add_argument(
+        "--cluster",
+        action="store_true",
+        help="every vgpu node and card of the cluster, from the API server's annotations",
+    )
+    status.add_argument("--kubeconfig", type=Path, default=None, help="with --cluster")
+    status.add_argument(
+        "--resource-domain", default="vendor.io", help="with --cluster (default vendor.io)"
+    )
 
     config = sub.add_parser("config", help="check or print a config file")
     csub = config.add_subparsers(dest="config_command", required=True)
@@ -82,14 +117,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "extender":
+            return _extender(args)
         if args.command == "demo":
             if args.dra:
                 from vgpu.cli.drademo import run_dra_demo
 
                 return run_dra_demo(args.gpus, keep=args.keep)
+            if args.cluster:
+                from vgpu.cli.demo_cluster import run_cluster_demo
+
+                return run_cluster_demo(keep=args.keep)
             from vgpu.cli.demo import run_demo
 
             return run_demo(args.gpus, keep=args.keep)
+        if args.command == "status" and args.cluster:
+            from vgpu.cli.status_cluster import run_cluster_status
+
+            return run_cluster_status(
+                args.kubeconfig, args.output, args.color, args.resource_domain
+            )
         if args.command == "status":
             from vgpu.cli.status import run_status
 
@@ -109,22 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     return 1  # pragma: no cover - argparse requires a command
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from vgpu import config
-    from vgpu.daemon import logs, wiring
-
-    flags = {
-        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-        for flag, _ in SERVE_FLAGS
+def _flags(args: argparse.Namespace, spec: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    return {
+        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _ in spec
     }
-    settings = config.load(flags, config_file=args.config)
-    logs.configure(settings.log_format, settings.log_level)
-    if settings.mode == "dra":
-        from vgpu.daemon.dra import run_dra
 
-        code = run_dra(settings)
-    else:
-        code = wiring.run(settings)
+
+def _exit(code: int) -> int:
     # The orderly shutdown is done (sockets removed, servers stopped, state on
     # disk). Skip interpreter finalisation: background threads may still sit
     # inside gRPC or urllib3 C code, and tearing modules down under them can
@@ -134,6 +172,28 @@ def _serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from vgpu import config
+    from vgpu.daemon import logs, wiring
+
+    settings = config.load(_flags(args, SERVE_FLAGS), config_file=args.config)
+    logs.configure(settings.log_format, settings.log_level)
+    if settings.mode == "dra":
+        from vgpu.daemon.dra import run_dra
+
+        return _exit(run_dra(settings))
+    return _exit(wiring.run(settings))
+
+
+def _extender(args: argparse.Namespace) -> int:
+    from vgpu import config
+    from vgpu.daemon import extender, logs
+
+    settings = config.load_extender(_flags(args, EXTENDER_FLAGS), config_file=args.config)
+    logs.configure(settings.log_format, settings.log_level)
+    return _exit(extender.run(settings))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -123,6 +123,9 @@ class ContainerSpec:
     created_s: float  # pod creation time, seconds since the epoch
     init: bool = False
     order: int = 0  # position in the pod: init containers first
+    # The card(s) the scheduler extender assigned to this container on this
+    # node (the pod's vgpu-assignment annotation); None: the node chooses.
+    assigned: tuple[CardUuid, ...] | None = None
 
     @property
     def ident(self) -> tuple[str, str]:

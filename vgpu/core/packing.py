@@ -29,12 +29,14 @@ import hashlib
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from vgpu.core import fit
 from vgpu.core.errors import (
     InsufficientCapacity,
     InvalidRequest,
     PlacementConflict,
     UnknownDevice,
 )
+from vgpu.core.fit import CardUsage, NoRoom
 from vgpu.core.model import (
     CORE_UNITS_PER_CARD,
     Card,
@@ -47,33 +49,14 @@ from vgpu.core.model import (
     Request,
     Resource,
 )
-from vgpu.core.slicing import card_device_ids, parse_device_id, units_per_card
+from vgpu.core.slicing import card_device_ids, parse_device_id
+
+__all__ = ["RECONCILE_GRACE_S", "CardUsage", "Ledger", "placement_key"]
 
 # A placement whose IDs the kubelet does not list yet is kept this long: the
 # kubelet records an allocation only after our Allocate answer reached it.
 RECONCILE_GRACE_S = 30.0
 MAX_IDS_IN_MESSAGE = 8
-
-
-@dataclass(frozen=True)
-class CardUsage:
-    """How much of one card is sliced out."""
-
-    card: Card
-    core_used: int  # percent, counted from held core IDs (a whole card holds 100)
-    memory_used_units: int
-    exclusive: bool  # held whole by one container
-    holders: int  # placements on the card
-
-    def core_free(self) -> int:
-        return CORE_UNITS_PER_CARD - self.core_used
-
-    def memory_free_units(self, unit_mib: int) -> int:
-        return self.card.memory_units(unit_mib) - self.memory_used_units
-
-    @property
-    def empty(self) -> bool:
-        return self.holders == 0
 
 
 @dataclass
@@ -89,6 +72,7 @@ class _Pending:
     )  # resources GetPreferredAllocation sent here
     key: str | None = None  # set by the first Allocate
     allocated: set[Resource] = field(default_factory=set)
+    assigned: tuple[CardUuid, ...] | None = None  # steered by the extender's assignment
 
 
 def _short(ids: Iterable[str]) -> str:
@@ -125,6 +109,8 @@ class Ledger:
         self._card_keys: dict[CardUuid, set[str]] = {}
         self.set_cards(cards)
         self._pending: _Pending | None = None
+        # (pod uid, resource) of a reuse that came before its container's first call.
+        self._reused_first: tuple[str, Resource] | None = None
         self._claimed: set[tuple[str, str]] = set()
         # Placements the kubelet is known to have recorded (listed once, or
         # recovered from an earlier run): no grace once it stops listing them.
@@ -169,19 +155,7 @@ class Ledger:
         return [self.placements[k] for k in sorted(self._card_keys.get(card, ()))]
 
     def describe_free(self) -> str:
-        parts = []
-        for u in self.usages():
-            where = f"card {u.card.index} ({u.card.uuid}"
-            if not u.card.healthy:
-                parts.append(f"{where}, UNHEALTHY): takes nothing new")
-            elif u.exclusive:
-                parts.append(f"{where}, held whole by one container): nothing free")
-            else:
-                parts.append(
-                    f"{where}): {u.core_free()} core free, "
-                    f"{u.memory_free_units(self.memory_unit_mib)} memory units free"
-                )
-        return "; ".join(parts) if parts else "no cards on this node"
+        return fit.describe_free(self.usages(), self.memory_unit_mib)
 
     # --------------------------------------------------------- bookkeeping
 
@@ -280,15 +254,6 @@ class Ledger:
 
     # ------------------------------------------------------------- choosing
 
-    def _free(self, card: CardUuid, resource: Resource, offered: dict[CardUuid, int] | None) -> int:
-        """Free units of `resource` on a card: the kubelet's offer when we have it."""
-        if offered is not None:
-            return offered.get(card, 0)
-        usage = self.usage(card)
-        if resource is Resource.CORE:
-            return usage.core_free()
-        return usage.memory_free_units(self.memory_unit_mib)
-
     def _refuse(self, request: Request, why: str) -> InsufficientCapacity:
         return InsufficientCapacity(
             f"no card on this node can hold {self.describe_request(request)}: {why}. "
@@ -297,31 +262,10 @@ class Ledger:
         )
 
     def describe_request(self, request: Request) -> str:
-        parts = []
-        if request.core_percent:
-            parts.append(f"{Resource.CORE.full_name(self.domain)}={request.core_percent}")
-        if request.memory_units:
-            mib = request.memory_units * self.memory_unit_mib
-            parts.append(
-                f"{Resource.MEMORY.full_name(self.domain)}={request.memory_units} ({mib} MiB)"
-            )
-        return " + ".join(parts) or "nothing"
+        return fit.describe_request(request, self.domain, self.memory_unit_mib)
 
     def validate_request(self, request: Request) -> None:
-        core, mem = request.core_percent, request.memory_units
-        core_name = Resource.CORE.full_name(self.domain)
-        mem_name = Resource.MEMORY.full_name(self.domain)
-        if core > CORE_UNITS_PER_CARD and core % CORE_UNITS_PER_CARD:
-            raise InvalidRequest(
-                f"{core_name}={core} is neither a fraction of one card (1-99) nor whole cards "
-                f"(100, 200, ...): request {core // 100 * 100} or {(core // 100 + 1) * 100}"
-            )
-        if 0 < core < CORE_UNITS_PER_CARD and mem == 0:
-            raise InvalidRequest(
-                f"{core_name}={core} is a fractional slice and must come with {mem_name}: "
-                f"add e.g. '{mem_name}: 16' (1 unit = {self.memory_unit_mib} MiB) to the "
-                "container's limits"
-            )
+        fit.validate_request(request, self.domain, self.memory_unit_mib)
 
     def _choose_fractional(
         self,
@@ -330,66 +274,33 @@ class Ledger:
         offered: dict[CardUuid, int],
         known_other: bool,
     ) -> CardUuid:
-        fits: list[tuple[float, float, int, CardUuid]] = []
-        for usage in self.usages():
-            card = usage.card
-            if not card.healthy or usage.exclusive:
-                continue
-            if self._free(card.uuid, resource, offered) < request.units(resource):
-                continue
-            other = resource.other
-            other_free = self._free(card.uuid, other, None)
-            if other_free < request.units(other):
-                continue
-            fullness = usage.core_used / CORE_UNITS_PER_CARD + usage.memory_used_units / max(
-                1, card.memory_units(self.memory_unit_mib)
+        try:
+            return fit.choose_fractional(
+                request,
+                self.usages(),
+                self.memory_unit_mib,
+                self.policy,
+                resource=resource,
+                offered=offered,
+                known_other=known_other,
             )
-            if not known_other:
-                # Fallback without pod information: keep the most room for the
-                # other resource, which may follow.
-                score = -float(other_free)
-            elif self.policy is Policy.BINPACK:
-                score = -fullness
-            else:
-                score = fullness
-            fits.append((score, 0.0, card.index, card.uuid))
-        if not fits:
-            raise self._refuse(request, "no single card has that much free")
-        return min(fits)[3]
+        except NoRoom as exc:
+            raise self._refuse(request, exc.why) from None
 
     def _choose_whole(
         self, request: Request, resource: Resource, offered: dict[CardUuid, int]
     ) -> tuple[CardUuid, ...]:
-        count = request.whole_cards
-        empty = [
-            u.card
-            for u in self.usages()
-            if u.card.healthy
-            and u.empty
-            and self._free(u.card.uuid, resource, offered)
-            == units_per_card(u.card, resource, self.memory_unit_mib)
-        ]
-        if len(empty) < count:
-            raise self._refuse(request, f"only {len(empty)} card(s) are entirely free")
-        # Prefer cards on the same NUMA node, then the lowest index.
-        by_numa: dict[int, list[Card]] = {}
-        for card in empty:
-            by_numa.setdefault(card.numa_node if card.numa_node is not None else -1, []).append(
-                card
+        try:
+            return fit.choose_whole(
+                request,
+                self.usages(),
+                self.memory_unit_mib,
+                self.domain,
+                resource=resource,
+                offered=offered,
             )
-        groups = sorted(by_numa.values(), key=lambda g: (len(g) < count, g[0].index))
-        chosen = (
-            groups[0][:count]
-            if len(groups[0]) >= count
-            else sorted(empty, key=lambda c: c.index)[:count]
-        )
-        memory_room = sum(c.memory_units(self.memory_unit_mib) for c in chosen)
-        if request.memory_units > memory_room:
-            raise InvalidRequest(
-                f"{self.describe_request(request)}: the memory does not fit in {count} whole "
-                f"card(s) ({memory_room} units); request at most {memory_room} units or more cards"
-            )
-        return tuple(c.uuid for c in chosen)
+        except NoRoom as exc:
+            raise self._refuse(request, exc.why) from None
 
     def _match(
         self, resource: Resource, size: int, candidates: Sequence[ContainerSpec]
@@ -463,6 +374,10 @@ class Ledger:
         pending = self._pending
         if pending is not None and self._continues(pending, resource, size, spec):
             ids = self._ids_on(pending.cards, avail, must, size)
+            if len(ids) < size and pending.assigned is not None and pending.spec is not None:
+                raise self._refuse_assigned(
+                    pending.spec, resource, pending.assigned, len(ids), size
+                )
             if len(ids) < size:
                 raise self._refuse(
                     pending.request,
@@ -487,13 +402,18 @@ class Ledger:
                 else Request(memory_units=size)
             )
             self._validate_partial(request)
+        assigned: tuple[CardUuid, ...] | None = None
         if must:
             cards = tuple(dict.fromkeys(self._index[d][0] for d in must))
+        elif spec is not None and spec.assigned is not None:
+            cards = assigned = self._assigned(spec)
         elif request.whole_cards:
             cards = self._choose_whole(request, resource, offered)
         else:
             cards = (self._choose_fractional(request, resource, offered, spec is not None),)
         ids = self._ids_on(cards, avail, must, size)
+        if len(ids) < size and spec is not None and assigned is not None:
+            raise self._refuse_assigned(spec, resource, assigned, len(ids), size)
         if len(ids) < size:
             raise self._refuse(request, f"only {len(ids)} of {size} units free on the chosen card")
         self._pending = _Pending(
@@ -502,10 +422,91 @@ class Ledger:
             expected=request.resources if spec is not None else None,
             spec=spec,
             steered={resource},
+            assigned=assigned,
         )
+        reused, self._reused_first = self._reused_first, None
+        if spec is not None and reused is not None and reused[0] == spec.pod_uid:
+            # This container's other resource came first, as its init containers' IDs.
+            self._pending.allocated.add(reused[1])
         if spec is not None:
             self._claimed.add(spec.ident)
         return ids, released
+
+    def _assigned(self, spec: ContainerSpec) -> tuple[CardUuid, ...]:
+        """The card(s) the scheduler extender assigned, checked against this node."""
+        cards = spec.assigned or ()
+        who = _spec_text(spec)
+        needed = spec.request.whole_cards or 1
+        if len(set(cards)) != needed:
+            raise PlacementConflict(
+                f"{who} was assigned {len(set(cards))} card(s) ({', '.join(cards)}) by the vgpu "
+                f"scheduler extender but asks for {needed}; {_RESCHEDULE}"
+            )
+        for uuid in cards:
+            card = self.cards.get(uuid)
+            if card is None:
+                raise PlacementConflict(
+                    f"{who} was assigned card {uuid} by the vgpu scheduler extender, but this "
+                    f"node has no such card (gone since?); {_RESCHEDULE}"
+                )
+            if not card.healthy:
+                why = f"xid {card.xid}" if card.xid else "reported unhealthy"
+                raise PlacementConflict(
+                    f"{who} was assigned card {card.index} ({uuid}) by the vgpu scheduler "
+                    f"extender, but that card turned unhealthy ({why}); {_RESCHEDULE}"
+                )
+        for uuid in cards:
+            # The node's own rule for the card (a card held whole takes no slice, a
+            # whole card must be empty): a placement the kubelet has freed but we
+            # have not released yet is found by the re-check before refusing.
+            usage = self.usage(uuid)
+            busy = not usage.empty if spec.request.whole_cards else usage.exclusive
+            if busy:
+                held = ", ".join(_owner_text(p) for p in self.placements_on(uuid))
+                raise InsufficientCapacity(
+                    f"{who} was assigned card {self.cards[uuid].index} ({uuid}) by the vgpu "
+                    f"scheduler extender, but that card is "
+                    f"{'in use' if spec.request.whole_cards else 'held whole'} on this node "
+                    f"({held}); {_RESCHEDULE}"
+                )
+        return tuple(sorted(set(cards), key=lambda u: self.cards[u].index))
+
+    def _refuse_assigned(
+        self,
+        spec: ContainerSpec,
+        resource: Resource,
+        cards: Sequence[CardUuid],
+        found: int,
+        size: int,
+    ) -> InsufficientCapacity:
+        names = ", ".join(f"{self.cards[c].index} ({c})" for c in cards)
+        return InsufficientCapacity(
+            f"{_spec_text(spec)} was assigned card {names} by the vgpu scheduler extender, but "
+            f"the kubelet offers only {found} of the {size} {resource.full_name(self.domain)} "
+            f"units it needs there. Free per card: {self.describe_free()}; {_RESCHEDULE}"
+        )
+
+    def _note_reuse(self, resource: Resource, placement: Placement) -> None:
+        """An Allocate handed back IDs a placement already holds: an app container
+        reusing its init containers' IDs (the kubelet asks no GetPreferredAllocation
+        for that resource). Count it as the in-flight container's, so that it does
+        not wait for that resource and take another container's call for it."""
+        pending = self._pending
+        pod_uid = placement.owner.pod_uid if placement.owner is not None else ""
+        if (
+            pending is not None
+            and pending.spec is not None
+            and pending.expected is not None
+            and resource in pending.expected
+            and resource not in pending.allocated
+            and pod_uid
+            and pod_uid == pending.spec.pod_uid
+        ):
+            pending.allocated.add(resource)
+            if pending.expected <= pending.allocated:
+                self._pending = None
+        elif pod_uid:
+            self._reused_first = (pod_uid, resource)
 
     def _attach(self, pending: _Pending, spec: ContainerSpec) -> None:
         """The in-flight container turns out to be `spec`: adopt its request and owner."""
@@ -643,6 +644,7 @@ class Ledger:
         # The kubelet replays, or an app container reuses an init container's IDs.
         for placement in self.placements.values():
             if placement.ids.get(resource) == ids:
+                self._note_reuse(resource, placement)
                 return placement
 
         cards = tuple(
@@ -656,6 +658,12 @@ class Ledger:
             and (resource in pending.steered or pending.key is not None)
         )
         if pending is not None and joins and not set(cards) <= set(pending.cards):
+            if pending.assigned is not None and pending.spec is not None:
+                raise PlacementConflict(
+                    f"{resource.full_name(self.domain)} IDs are on card(s) {', '.join(cards)} but "
+                    f"the vgpu scheduler extender assigned {_spec_text(pending.spec)} card(s) "
+                    f"{', '.join(pending.assigned)}; {_RESCHEDULE}"
+                )
             if resource in pending.steered or pending.expected is not None:
                 raise PlacementConflict(
                     f"{resource.full_name(self.domain)} IDs are on card(s) {', '.join(cards)} but "
@@ -777,6 +785,13 @@ class Ledger:
                 f"of each card, got IDs spread over {len(cards)} cards; enable "
                 "GetPreferredAllocation so the plugin can choose"
             )
+
+
+_RESCHEDULE = "delete the pod so that the scheduler places it again"
+
+
+def _spec_text(spec: ContainerSpec) -> str:
+    return f"container {spec.container} of pod {spec.namespace}/{spec.pod}"
 
 
 def _owner_text(placement: Placement) -> str:

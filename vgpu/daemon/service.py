@@ -17,7 +17,7 @@ from typing import Any
 
 from vgpu.adapters.fs import ContainerStore
 from vgpu.adapters.gpus import CardReading
-from vgpu.adapters.kube import PodSource
+from vgpu.adapters.kube import NodePublisher, NoNodePublisher, PodSource
 from vgpu.adapters.kubelet.servicer import (
     AllocationAnswer,
     DeviceView,
@@ -25,6 +25,7 @@ from vgpu.adapters.kubelet.servicer import (
 )
 from vgpu.adapters.nodefile import node_document, write_node_file
 from vgpu.adapters.podresources import PodResourcesClient, PodResourcesUnavailable
+from vgpu.core.annotations import format_inventory, node_key, placements_key
 from vgpu.core.contract import container_edits
 from vgpu.core.errors import InsufficientCapacity
 from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
@@ -68,8 +69,11 @@ class PluginService:
         node_file: Path | None = None,
         clock: Callable[[], float] = time.time,
         events: Callable[[str, dict[str, Any]], None] | None = None,
+        node_publisher: NodePublisher | None = None,
     ) -> None:
         self.options = options
+        self.node_publisher = node_publisher or NoNodePublisher()
+        self._inventory: str | None = None
         self.store = store
         self.pods = pods
         self.podresources = podresources
@@ -176,6 +180,16 @@ class PluginService:
             self._dev_version += 1
             self._dev_cond.notify_all()
         self._write_node_file()
+        self._publish_inventory()
+
+    def _publish_inventory(self) -> None:
+        """The <domain>/vgpu-node annotation for the scheduler extender, on change only."""
+        value = format_inventory(
+            list(self.ledger.cards.values()), self.options.memory_unit_mib, self.options.policy
+        )
+        if value != self._inventory:
+            self._inventory = value
+            self.node_publisher.publish({node_key(self.options.domain): value})
 
     def device_list(self, resource: Resource) -> tuple[int, Sequence[DeviceView]]:
         with self._dev_cond:
@@ -537,7 +551,7 @@ class PluginService:
             }
         if not mine:
             return
-        key = f"{self.options.domain}/vgpu-placements"
+        key = placements_key(self.options.domain)
         value = json.dumps(mine, sort_keys=True)
         if self.pods.annotations(namespace, pod).get(key) == value:
             return  # the API server has it (as the pod cache sees it)

@@ -15,20 +15,25 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any, Protocol
 
 from vgpu import __version__
 from vgpu.adapters import budget
 from vgpu.adapters.fs import ContainerStore, PluginDirWatcher, install_hook
 from vgpu.adapters.gpus import BackendError, CardReading, GpuBackend, MockBackend
-from vgpu.adapters.kube import KubePodCache, NoPods, PodSource
+from vgpu.adapters.kube import (
+    KubeNodePublisher,
+    KubePodCache,
+    NodePublisher,
+    NoNodePublisher,
+    NoPods,
+    PodSource,
+)
 from vgpu.adapters.kubelet.servicer import (
     DevicePluginServicer,
     PluginServer,
@@ -42,6 +47,7 @@ from vgpu.config import Settings
 from vgpu.core.errors import ConfigError
 from vgpu.core.health import HealthEvent
 from vgpu.core.model import Card, CardUuid, Resource
+from vgpu.daemon.lifecycle import stop_on_signals
 from vgpu.daemon.service import PluginService, ServiceOptions
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
 
@@ -150,6 +156,13 @@ class Lifecycle(Protocol):
     def shutdown(self) -> None: ...
 
 
+def build_node_publisher(settings: Settings, pods: PodSource) -> NodePublisher:
+    """The Node annotator goes with the pod cache: both need the API server."""
+    if not isinstance(pods, KubePodCache) or not settings.node_name:
+        return NoNodePublisher()
+    return KubeNodePublisher(settings.node_name, settings.kubeconfig, client=pods.client)
+
+
 class Daemon:
     """Everything `vgpu serve` runs."""
 
@@ -161,6 +174,7 @@ class Daemon:
         self.store = ContainerStore(settings.state_dir, settings.memory_unit_mib)
         self._reconcile_now = threading.Event()
         self.pods = build_pods(settings, self._reconcile_now.set)
+        self.node_publisher = build_node_publisher(settings, self.pods)
         self.podresources = PodResourcesClient(settings.pod_resources_socket)
         self.metrics: Any = None
         self.service = PluginService(
@@ -177,6 +191,7 @@ class Daemon:
             self.podresources,
             node_file=settings.state_dir / "node.json",
             events=self._event,
+            node_publisher=self.node_publisher,
         )
         self.options = pb.DevicePluginOptions(
             pre_start_required=False, get_preferred_allocation_available=True
@@ -253,6 +268,7 @@ class Daemon:
             )
         self.service.recover()
         self.pods.start(self.stop)
+        self.node_publisher.start(self.stop)
         if s.metrics_address:
             from vgpu.daemon.metrics import Metrics
 
@@ -372,18 +388,7 @@ class Daemon:
 def run(settings: Settings, factory: Callable[[Settings], Lifecycle] = Daemon) -> int:
     """Run until SIGTERM/SIGINT. Exit codes: 0 clean stop, 2 bad config, 3 backend unusable."""
     daemon = factory(settings)
-    signals = {"count": 0}
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        signals["count"] += 1
-        if signals["count"] > 1:
-            log.error("second signal: exiting now")
-            os._exit(1)
-        log.info("%s received: shutting down", signal.Signals(signum).name)
-        daemon.stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop_on_signals(daemon.stop, log)
     try:
         daemon.start()
     except ConfigError as exc:

@@ -16,6 +16,8 @@ client to list, get, watch and patch Pods and Nodes against it:
   ``status`` subresource (status is written there only), discovery under
   ``/apis``, and the server's ResourceSlice validation (capacity request
   policies: default and max on min's step grid, min + step within the value)
+* ``POST /api/v1/namespaces/{ns}/pods/{name}/binding`` (what a scheduler, or a
+  scheduler extender with a bind verb, calls to bind a pod to a node)
 
 Resource versions come from one global, monotonically increasing counter.  Watch
 events are kept in a bounded history so that a watch can resume from a
@@ -51,7 +53,7 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
-__all__ = ["THREAD_PREFIX", "FakeApiServer", "make_pod"]
+__all__ = ["THREAD_PREFIX", "FakeApiServer", "make_node", "make_pod"]
 
 THREAD_PREFIX = "vgpu-fake-apiserver"
 """Name prefix of every thread the fake API server starts."""
@@ -860,6 +862,10 @@ class FakeApiServer:
         if rest[0] == "namespaces" and len(rest) >= 3:
             namespace, rest = rest[1], rest[2:]
         resource = rest[0]
+        if rest[0] == "pods" and len(rest) == 3 and rest[2] == "binding" and namespace:
+            if method != "POST":
+                raise _ApiError(405, f"{method} is not supported on pods/binding")
+            return 201, self._bind(namespace, rest[1], body)
         if resource not in _RESOURCES or len(rest) > 2:
             raise _ApiError(404, "the server could not find the requested resource")
         namespaced = _RESOURCES[resource][1]
@@ -1164,6 +1170,84 @@ class FakeApiServer:
                 )
             return self._commit(resource, key, cur, new)
 
+    def _bind(self, namespace: str, name: str, body: bytes) -> JSON:
+        """pods/binding, as the real registry does it: set spec.nodeName once."""
+        try:
+            binding = json.loads(body or b"null")
+        except ValueError as err:
+            raise _ApiError(400, f"invalid Binding body: {err}") from None
+        if not isinstance(binding, dict):
+            raise _ApiError(400, "a Binding must be a JSON object")
+        raw_meta = binding.get("metadata")
+        meta: JSON = raw_meta if isinstance(raw_meta, dict) else {}
+        if meta.get("name") not in (None, name):
+            raise _ApiError(400, "name in URL does not match name in Binding object")
+        raw_target = binding.get("target")
+        target: JSON = raw_target if isinstance(raw_target, dict) else {}
+        node = target.get("name")
+        if not isinstance(node, str) or not node or target.get("kind") not in (None, "", "Node"):
+            raise _ApiError(422, 'Binding.core "' + name + '" is invalid: target.name: Required')
+        with self._cond:
+            key = (namespace, name)
+            cur = self._store["pods"].get(key)
+            if cur is None:
+                raise _ApiError(404, f'pods "{name}" not found', name=name, kind="pods")
+            uid = meta.get("uid")
+            if uid and uid != cur["metadata"]["uid"]:
+                raise _ApiError(
+                    409,
+                    f'Operation cannot be fulfilled on pods/binding "{name}": Precondition '
+                    f"failed: UID in precondition: {uid}, UID in object meta: "
+                    f"{cur['metadata']['uid']}",
+                    name=name,
+                    kind="pods/binding",
+                )
+            bound = (cur.get("spec") or {}).get("nodeName")
+            if bound:
+                raise _ApiError(
+                    409,
+                    f'Operation cannot be fulfilled on pods/binding "{name}": pod {name} is '
+                    f'already assigned to node "{bound}"',
+                    name=name,
+                    kind="pods/binding",
+                )
+            new = copy.deepcopy(cur)
+            new.setdefault("spec", {})["nodeName"] = node
+            status = new.setdefault("status", {})
+            conditions = [
+                c for c in status.get("conditions") or [] if c.get("type") != "PodScheduled"
+            ]
+            conditions.append(
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": _now_rfc3339()}
+            )
+            status["conditions"] = conditions
+            self._commit("pods", key, cur, new)
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Success",
+            "code": 201,
+        }
+
+    def wait_for_change(self, since_rv: int, timeout_s: float) -> int:
+        """Wait until the resourceVersion moves past ``since_rv`` (or the timeout); return it."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._rv != since_rv or self._stopping.is_set(), max(0.0, timeout_s)
+            )
+            return self._rv
+
+    def update_node(self, name: str, mutate: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Apply ``mutate`` to a copy of the node and store it (emits MODIFIED)."""
+        return self._update("nodes", ("", name), mutate)
+
+    def delete_node(self, name: str) -> None:
+        self._delete("nodes", ("", name))
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return self._list("nodes")
+
     def _open_watch(
         self, resource: str, namespace: str | None, query: dict[str, str]
     ) -> _WatchState:
@@ -1405,18 +1489,41 @@ def _check_slice(obj: JSON) -> None:
 # --------------------------------------------------------------------------- helpers
 
 
+def make_node(
+    name: str,
+    *,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    allocatable: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A v1 Node dict for :meth:`FakeApiServer.add_node` (capacity = allocatable)."""
+    meta: JSON = {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    resources = dict(allocatable or {})
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": meta,
+        "spec": {},
+        "status": {"capacity": dict(resources), "allocatable": resources},
+    }
+
+
 def make_pod(
     name: str,
     *,
-    node: str,
+    node: str | None,
     namespace: str = "default",
     containers: list[dict[str, Any]] | None = None,
     init_containers: list[dict[str, Any]] | None = None,
     phase: str = "Pending",
     creation_timestamp: str | None = None,
     annotations: dict[str, str] | None = None,
+    scheduler_name: str | None = None,
 ) -> dict[str, Any]:
-    """A v1 Pod dict bound to ``node``, ready for :meth:`FakeApiServer.add_pod`.
+    """A v1 Pod dict bound to ``node`` (None: unbound, for a scheduler to place), ready for
+    :meth:`FakeApiServer.add_pod`.
 
     ``containers`` items look like ``{"name": "main", "resources": {"limits": {...}}}``;
     missing names become ``c0``, ``c1``... and a pause image is filled in.  Without
@@ -1438,9 +1545,12 @@ def make_pod(
     if creation_timestamp is not None:
         meta["creationTimestamp"] = creation_timestamp
     spec: JSON = {
-        "nodeName": node,
         "containers": fill(containers if containers is not None else [{"name": "main"}], "c"),
     }
+    if node is not None:
+        spec["nodeName"] = node
+    if scheduler_name is not None:
+        spec["schedulerName"] = scheduler_name
     if init_containers:
         spec["initContainers"] = fill(init_containers, "init")
     return {

@@ -1,0 +1,346 @@
+"""`vgpu extender` as a subprocess, over real HTTP, against the fake API server
+(through the official kubernetes client): the wire format kube-scheduler
+speaks, both nodeCacheCapable forms, bind, bad input, and an API outage."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vgpu.core.annotations import format_inventory
+from vgpu.core.model import Card, CardUuid, Policy
+from vgpu.sim.apiserver import FakeApiServer, make_node, make_pod
+from vgpu.sim.cluster import extender_command, free_port
+from vgpu.sim.harness import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+CORE, MEM = "vendor.io/vcuda-core", "vendor.io/vcuda-memory"
+RESULT_KEYS = {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
+
+
+def _cards(prefix: str, n: int) -> list[Card]:
+    return [
+        Card(
+            CardUuid(f"GPU-{prefix}{i:04d}-0000-4000-8000-000000000000"),
+            i,
+            "NVIDIA H200",
+            143771,
+            i,
+            numa_node=0,
+        )
+        for i in range(n)
+    ]
+
+
+def _inventory(cards: list[Card]) -> dict[str, str]:
+    return {"vendor.io/vgpu-node": format_inventory(cards, 256, Policy.BINPACK)}
+
+
+def _pod(name: str, core: int, mem: int, **kw: Any) -> dict[str, Any]:
+    limits = {k: str(v) for k, v in ((CORE, core), (MEM, mem)) if v}
+    return make_pod(name, containers=[{"name": "main", "resources": {"limits": limits}}], **kw)
+
+
+class Extender:
+    def __init__(self, api: FakeApiServer, root: Path) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        kubeconfig = root / "kubeconfig"
+        api.write_kubeconfig(kubeconfig)
+        self.log = root / f"extender-{self.port}.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                extender_command(
+                    kubeconfig,
+                    self.port,
+                    "--metrics-address",
+                    f"127.0.0.1:{self.metrics_port}",
+                    "--bind-timeout-s",
+                    "1",
+                ),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        port: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=10)
+        try:
+            conn.request(
+                method, path, body, {"Content-Type": "application/json", **(headers or {})}
+            )
+            reply = conn.getresponse()
+            return reply.status, reply.read()
+        finally:
+            conn.close()
+
+    def post(self, verb: str, args: Any) -> Any:
+        status, data = self.request("POST", f"/{verb}", json.dumps(args).encode())
+        assert status == 200, data
+        return json.loads(data)
+
+    def ready(self) -> bool:
+        try:
+            return self.request("GET", "/readyz")[0] == 200
+        except OSError:
+            return False
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(10)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def api() -> Iterator[FakeApiServer]:
+    server = FakeApiServer(bookmark_interval_s=60.0)
+    server.start()
+    free, full = _cards("free", 2), _cards("full", 1)
+    server.add_node(make_node("n-free", annotations=_inventory(free)))
+    server.add_node(make_node("n-full", annotations=_inventory(full)))
+    server.add_node(make_node("n-cpu"))
+    placements = json.dumps({"main": {"cards": [full[0].uuid], "core": 80, "memory_mib": 1024}})
+    server.add_pod(
+        _pod(
+            "busy",
+            80,
+            4,
+            node="n-full",
+            phase="Running",
+            annotations={"vendor.io/vgpu-placements": placements},
+        )
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def ext(api: FakeApiServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Extender]:
+    extender = Extender(api, tmp_path_factory.mktemp("ext"))
+    try:
+        assert wait_until(extender.ready, 20), extender.text()
+        yield extender
+    finally:
+        rc = extender.stop()
+        text = extender.text()
+        assert rc == 0, text
+        assert "Traceback" not in text, text
+
+
+def _bind(pod: dict[str, Any], node: str) -> dict[str, str]:
+    meta = pod["metadata"]
+    return {
+        "PodName": meta["name"],
+        "PodNamespace": meta["namespace"],
+        "PodUID": meta["uid"],
+        "Node": node,
+    }
+
+
+def _args(pod: dict[str, Any], names: list[str] | None = None, nodes: Any = None) -> dict[str, Any]:
+    return {"Pod": pod, "NodeNames": names, "Nodes": nodes}
+
+
+def test_filter_with_node_names_answers_with_the_go_field_names(ext: Extender) -> None:
+    pod = _pod("p", 30, 40, node=None)
+    pod["metadata"]["uid"] = "uid-p"
+    result = ext.post("filter", _args(pod, ["n-free", "n-full", "n-cpu"]))
+    assert set(result) == RESULT_KEYS
+    assert result["NodeNames"] == ["n-free"] and result["Nodes"] is None and result["Error"] == ""
+    assert result["FailedNodes"]["n-full"].startswith("vgpu: no card fits vendor.io/vcuda-core=30")
+    assert "has 20 core" in result["FailedNodes"]["n-full"]
+    assert "no vendor.io/vgpu-node annotation" in result["FailedAndUnresolvableNodes"]["n-cpu"]
+
+
+def test_filter_with_full_node_objects_returns_the_passing_objects(
+    ext: Extender, api: FakeApiServer
+) -> None:
+    pod = _pod("p", 30, 40, node=None)
+    pod["metadata"]["uid"] = "uid-p"
+    nodes = {"metadata": {}, "items": api.nodes()}
+    result = ext.post("filter", _args(pod, None, nodes))
+    assert result["NodeNames"] is None
+    assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["n-free"]
+    assert result["Nodes"]["items"][0] == api.get_node("n-free")
+
+
+def test_prioritize_answers_a_host_priority_list(ext: Extender) -> None:
+    pod = _pod("p", 10, 10, node=None)
+    pod["metadata"]["uid"] = "uid-p"
+    result = ext.post("prioritize", _args(pod, ["n-free", "n-full"]))
+    assert [sorted(entry) for entry in result] == [["Host", "Score"], ["Host", "Score"]]
+    scores = {e["Host"]: e["Score"] for e in result}
+    assert scores["n-full"] > scores["n-free"]  # binpack: the fuller node
+    assert all(0 <= s <= 10 for s in scores.values())
+
+
+@pytest.mark.parametrize(
+    ("verb", "body", "message"),
+    [
+        ("filter", b"{not json", "not JSON"),
+        ("filter", b"[]", "must be a JSON object"),
+        ("filter", b'{"NodeNames": ["n"]}', "ExtenderArgs.Pod must be a Pod object"),
+        (
+            "filter",
+            b'{"Pod": {"metadata": {"name": "p", "namespace": "d"}, "spec": {}}, "NodeNames": []}',
+            "metadata.uid",
+        ),
+        (
+            "filter",
+            b'{"Pod": {"metadata": {"name": "p", "namespace": "d", "uid": "u"},'
+            b' "spec": {"containers": 5}}, "NodeNames": []}',
+            "spec.containers",
+        ),
+        (
+            "prioritize",
+            b'{"Pod": {"metadata": {"name": "p", "namespace": "d", "uid": "u"},'
+            b' "spec": {}}, "NodeNames": "n1"}',
+            "NodeNames must be a list",
+        ),
+        (
+            "filter",
+            b'{"Pod": {"metadata": {"name": "p", "namespace": "d", "uid": "u"}, "spec": {}}}',
+            "needs NodeNames",
+        ),
+        (
+            "bind",
+            b'{"PodName": "p", "PodNamespace": "d", "PodUID": "u"}',
+            "ExtenderBindingArgs.Node",
+        ),
+    ],
+    ids=["not-json", "array", "no-pod", "no-uid", "containers", "names", "no-nodes", "bind-node"],
+)
+def test_malformed_requests_get_400_with_a_message(
+    ext: Extender, verb: str, body: bytes, message: str
+) -> None:
+    status, data = ext.request("POST", f"/{verb}", body)
+    assert status == 400 and message in data.decode()
+    assert ext.request("GET", "/healthz") == (200, b"ok\n")  # still serving
+
+
+def test_unknown_paths_and_missing_length(ext: Extender) -> None:
+    assert ext.request("POST", "/preempt", b"{}")[0] == 404
+    assert ext.request("GET", "/nothing")[0] == 404
+    with socket.create_connection(("127.0.0.1", ext.port), timeout=5) as sock:
+        sock.sendall(
+            b"POST /filter HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+        )
+        assert sock.recv(100).startswith(b"HTTP/1.1 411")
+    status, data = ext.request("GET", "/metrics", port=ext.metrics_port)
+    assert status == 200 and b'vgpu_extender_requests_total{outcome="bad_request"' in data
+
+
+def test_bind_writes_the_assignment_then_the_binding(ext: Extender, api: FakeApiServer) -> None:
+    pod = api.add_pod(_pod("to-bind", 30, 40, node=None))
+    uid = pod["metadata"]["uid"]
+    args = {"PodName": "to-bind", "PodNamespace": "default", "PodUID": uid, "Node": "n-free"}
+    assert ext.post("bind", args) == {"Error": ""}
+    stored = api.get_pod("default", "to-bind")
+    assert stored is not None and stored["spec"]["nodeName"] == "n-free"
+    assignment = json.loads(stored["metadata"]["annotations"]["vendor.io/vgpu-assignment"])
+    assert assignment == {"node": "n-free", "containers": {"main": [_cards("free", 1)[0].uuid]}}
+    again = ext.post("bind", args)["Error"]
+    assert "already bound to node n-free" in again or "already assigned" in again
+
+
+def test_a_bind_that_no_longer_fits_is_refused_and_writes_nothing(
+    ext: Extender, api: FakeApiServer
+) -> None:
+    pod = api.add_pod(_pod("too-big", 30, 40, node=None))
+    args = _bind(pod, "n-full")
+    error = ext.post("bind", args)["Error"]
+    assert "no longer fits on node n-full" in error
+    stored = api.get_pod("default", "too-big") or {}
+    assert "nodeName" not in stored["spec"] and not stored["metadata"].get("annotations")
+
+
+def test_api_outage_answers_from_the_cache_and_fails_binds_clearly(
+    ext: Extender, api: FakeApiServer
+) -> None:
+    pod = api.add_pod(_pod("in-outage", 30, 10, node=None))
+    assert wait_until(lambda: ext.post("filter", _args(pod, ["n-free"]))["NodeNames"], 5)
+    api.set_down(True)
+    try:
+        assert ext.post("filter", _args(pod, ["n-free", "n-full"]))["NodeNames"] == ["n-free"]
+        args = _bind(pod, "n-free")
+        error = ext.post("bind", args)["Error"]
+        assert "failed" in error and "HTTP 503" in error
+    finally:
+        api.set_down(False)
+    # The failed bind holds nothing: the same room is offered again.
+    assert ext.post("bind", args) == {"Error": ""}
+
+
+def test_before_the_first_sync_filter_answers_an_error(tmp_path: Path) -> None:
+    server = FakeApiServer()
+    server.start()
+    server.set_down(True)
+    extender = Extender(server, tmp_path)
+    try:
+        assert wait_until(
+            lambda: (
+                extender.request("GET", "/healthz")[0] == 200
+                if _listening(extender.port)
+                else False
+            ),
+            20,
+        )
+        pod = _pod("p", 10, 10, node=None)
+        pod["metadata"]["uid"] = "u"
+        result = extender.post("filter", _args(pod, ["n"]))
+        assert result["NodeNames"] is None and "not synced" in result["Error"]
+        server.set_down(False)
+        assert wait_until(extender.ready, 20)
+    finally:
+        assert extender.stop() == 0
+        server.stop()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_slow_api_server_fails_the_bind_at_its_timeout(ext: Extender, api: FakeApiServer) -> None:
+    pod = api.add_pod(_pod("slow", 10, 10, node=None))
+    assert wait_until(lambda: ext.post("filter", _args(pod, ["n-free"]))["NodeNames"], 5)
+    api.set_delay(1.5)  # over the extender's --bind-timeout-s 1
+    try:
+        started = time.monotonic()
+        assert ext.post("filter", _args(pod, ["n-free"]))["NodeNames"] == ["n-free"]
+        assert time.monotonic() - started < 1.0  # answered from the cache
+        args = _bind(pod, "n-free")
+        error = ext.post("bind", args)["Error"]
+        assert "annotating pod default/slow: API server unreachable" in error, error
+    finally:
+        api.set_delay(0.0)
+    assert ext.post("bind", args) == {"Error": ""}
+
+
+def test_a_pod_asking_no_vgpu_resource_passes_everywhere(ext: Extender) -> None:
+    # Without managedResources kube-scheduler sends every pod: leave them alone.
+    pod = make_pod("plain", node=None)
+    pod["metadata"]["uid"] = "uid-plain"
+    result = ext.post("filter", _args(pod, ["n-free", "n-full", "n-cpu"]))
+    assert result["NodeNames"] == ["n-free", "n-full", "n-cpu"]
+    assert not result["FailedNodes"] and not result["FailedAndUnresolvableNodes"]
+    assert {e["Score"] for e in ext.post("prioritize", _args(pod, ["n-free", "n-cpu"]))} == {0}

@@ -1,0 +1,332 @@
+"""kube-scheduler's HTTP extender protocol: JSON in, plain values, JSON out.
+
+``POST /filter``, ``/prioritize`` and ``/bind`` (the verb is the last path
+segment, so any urlPrefix path works) and ``GET /healthz``. The JSON uses
+the Go field names of k8s.io/kube-scheduler/extender/v1 (no JSON tags):
+ExtenderArgs ``{Pod, Nodes, NodeNames}``, ExtenderFilterResult ``{Nodes,
+NodeNames, FailedNodes, FailedAndUnresolvableNodes, Error}``,
+HostPriorityList ``[{Host, Score}]``, ExtenderBindingArgs ``{PodName,
+PodNamespace, PodUID, Node}``, ExtenderBindingResult ``{Error}``. Both
+nodeCacheCapable forms are accepted, and the filter result answers in the
+form asked (names, or the passing Node objects).
+
+Malformed input gets HTTP 400 with a message naming what is wrong; anything
+unexpected gets HTTP 500 with an incident id in the log. The server never
+dies on input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol, cast
+
+from vgpu.adapters.kube import container_specs
+from vgpu.core.model import ContainerSpec
+from vgpu.core.scheduling import FilterVerdict
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 256 * 1024 * 1024  # a 5,000-node NodeList fits
+VERBS = ("filter", "prioritize", "bind")
+
+
+@dataclass(frozen=True)
+class PodRequest:
+    """The pod being scheduled, as plain values."""
+
+    uid: str
+    namespace: str
+    name: str
+    specs: tuple[ContainerSpec, ...]
+
+
+@dataclass(frozen=True)
+class BindRequest:
+    namespace: str
+    name: str
+    uid: str
+    node: str
+
+
+class ExtenderPort(Protocol):
+    def filter(self, pod: PodRequest, nodes: Sequence[str]) -> FilterVerdict | str:
+        """The verdict, or an error text (kube-scheduler fails the attempt and retries)."""
+        ...
+
+    def prioritize(self, pod: PodRequest, nodes: Sequence[str]) -> list[tuple[str, int]]: ...
+
+    def bind(self, request: BindRequest) -> str:
+        """'' when bound, else why not."""
+        ...
+
+    def ready(self) -> bool: ...
+
+
+class BadRequest(Exception):
+    pass
+
+
+Observer = Callable[[str, float, str], None]  # verb, seconds, outcome
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _pod(args: dict[str, Any], domain: str) -> PodRequest:
+    pod = args.get("Pod")
+    if not isinstance(pod, dict):
+        raise BadRequest("ExtenderArgs.Pod must be a Pod object")
+    meta = pod.get("metadata")
+    spec = pod.get("spec")
+    if not isinstance(meta, dict) or not isinstance(spec, dict):
+        raise BadRequest("ExtenderArgs.Pod needs metadata and spec objects")
+    for key in ("name", "namespace", "uid"):
+        if not isinstance(meta.get(key), str) or not meta[key]:
+            raise BadRequest(f"ExtenderArgs.Pod.metadata.{key} must be a non-empty string")
+    for key in ("containers", "initContainers"):
+        items = spec.get(key)
+        if items is not None and (
+            not isinstance(items, list) or not all(isinstance(c, dict) for c in items)
+        ):
+            raise BadRequest(f"ExtenderArgs.Pod.spec.{key} must be a list of containers")
+        for c in items or []:
+            resources = c.get("resources")
+            if resources is not None and not isinstance(resources, dict):
+                raise BadRequest(f"ExtenderArgs.Pod.spec.{key}[].resources must be an object")
+            for part in ("limits", "requests"):
+                value = (resources or {}).get(part)
+                if value is not None and not isinstance(value, dict):
+                    raise BadRequest(f"ExtenderArgs.Pod.spec.{key}[].resources.{part} must map")
+    return PodRequest(
+        meta["uid"], meta["namespace"], meta["name"], tuple(container_specs(pod, domain))
+    )
+
+
+def _nodes(args: dict[str, Any]) -> tuple[list[str], dict[str, Any] | None]:
+    """Node names, and the Node objects by name when the full form was sent."""
+    names = args.get("NodeNames")
+    node_list = args.get("Nodes")
+    if names is not None:
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise BadRequest("ExtenderArgs.NodeNames must be a list of node names")
+        return names, None
+    if node_list is not None:
+        items = node_list.get("items") if isinstance(node_list, dict) else None
+        if not isinstance(items, list):
+            raise BadRequest("ExtenderArgs.Nodes must be a NodeList with items")
+        objects: dict[str, Any] = {}
+        for node in items:
+            name = (
+                ((node or {}).get("metadata") or {}).get("name") if isinstance(node, dict) else None
+            )
+            if not isinstance(name, str) or not name:
+                raise BadRequest("every node in ExtenderArgs.Nodes.items needs metadata.name")
+            objects[name] = node
+        return list(objects), objects
+    raise BadRequest("ExtenderArgs needs NodeNames (nodeCacheCapable) or Nodes")
+
+
+def _bind_args(args: dict[str, Any]) -> BindRequest:
+    values = []
+    for key in ("PodNamespace", "PodName", "PodUID", "Node"):
+        value = args.get(key)
+        if not isinstance(value, str) or not value:
+            raise BadRequest(f"ExtenderBindingArgs.{key} must be a non-empty string")
+        values.append(value)
+    return BindRequest(*values)
+
+
+# ------------------------------------------------------------------ server
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], edge: ExtenderHttp) -> None:
+        self.edge = edge
+        super().__init__(address, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            return  # the client went away mid-answer: nothing to tell anyone
+        log.error("extender HTTP connection failed", exc_info=exc)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "vgpu-extender"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        edge = cast(_Server, self.server).edge
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path.endswith("/healthz"):
+            self._send(200, b"ok\n", "text/plain")
+        elif path.endswith("/readyz"):
+            ready = edge.port.ready()
+            self._send(
+                200 if ready else 503, b"ok\n" if ready else b"caches not synced\n", "text/plain"
+            )
+        elif path.endswith("/metrics") and edge.metrics is not None:
+            body, ctype = edge.metrics()
+            self._send(200, body, ctype)
+        else:
+            self._send(
+                404, b"not found: POST /filter, /prioritize, /bind; GET /healthz\n", "text/plain"
+            )
+
+    def do_POST(self) -> None:
+        edge = cast(_Server, self.server).edge
+        verb = self.path.split("?", 1)[0].rstrip("/").rpartition("/")[2]
+        if verb not in VERBS or edge.verbs is False:
+            self._drain()
+            self._send(
+                404,
+                f"unknown verb {verb!r}; use filter, prioritize or bind\n".encode(),
+                "text/plain",
+            )
+            return
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            body = self._body()
+            try:
+                args = json.loads(body)
+            except ValueError as exc:
+                raise BadRequest(f"the request body is not JSON: {exc}") from None
+            if not isinstance(args, dict):
+                raise BadRequest(f"the {verb} request must be a JSON object")
+            answer = edge.handle(verb, args)
+            self._send(200, json.dumps(answer, separators=(",", ":")).encode(), "application/json")
+        except BadRequest as exc:
+            outcome = "bad_request"
+            self._send(400, f"{exc}\n".encode(), "text/plain")
+        except _TooLarge as exc:
+            outcome = "bad_request"
+            self.close_connection = True
+            self._send(exc.code, f"{exc}\n".encode(), "text/plain")
+        except Exception:
+            outcome = "internal"
+            incident = uuid.uuid4().hex[:12]
+            log.exception("extender %s failed (incident %s)", verb, incident)
+            self._send(500, f"internal error, incident {incident}\n".encode(), "text/plain")
+        finally:
+            if edge.observe is not None:
+                edge.observe(verb, time.perf_counter() - started, outcome)
+
+    def _drain(self) -> None:
+        length = self.headers.get("Content-Length")
+        if length and length.isdigit() and int(length) <= MAX_BODY_BYTES:
+            self.rfile.read(int(length))
+        else:
+            self.close_connection = True
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding"):
+            raise _TooLarge(411, "send the body with a Content-Length")
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise _TooLarge(411, "a Content-Length header is required")
+        if int(length) > MAX_BODY_BYTES:
+            raise _TooLarge(413, f"request body over {MAX_BODY_BYTES} bytes")
+        return self.rfile.read(int(length))
+
+    def _send(self, code: int, body: bytes, ctype: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class _TooLarge(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ExtenderHttp:
+    """The extender's HTTP face (verbs and /healthz), or, with `verbs=False`, a
+    metrics-only face (/metrics and /healthz) for --metrics-address."""
+
+    def __init__(
+        self,
+        port: ExtenderPort,
+        domain: str,
+        address: str,
+        *,
+        verbs: bool = True,
+        observe: Observer | None = None,
+        metrics: Callable[[], tuple[bytes, str]] | None = None,
+    ) -> None:
+        self.port = port
+        self.domain = domain
+        self.verbs = verbs
+        self.observe = observe
+        self.metrics = metrics
+        host, _, port_text = address.rpartition(":")
+        self._server = _Server((host.strip("[]") or "0.0.0.0", int(port_text)), self)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="extender-http",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:  # shutdown() waits for a serve_forever loop
+            self._server.shutdown()
+            self._thread = None
+        self._server.server_close()
+
+    # ------------------------------------------------------------ verbs
+
+    def handle(self, verb: str, args: dict[str, Any]) -> Any:
+        """One request's JSON -> the answer's JSON (BadRequest for malformed input)."""
+        if verb == "bind":
+            return {"Error": self.port.bind(_bind_args(args))}
+        pod = _pod(args, self.domain)
+        names, objects = _nodes(args)
+        if verb == "prioritize":
+            return [{"Host": h, "Score": s} for h, s in self.port.prioritize(pod, names)]
+        verdict = self.port.filter(pod, names)
+        if isinstance(verdict, str):
+            return {
+                "Nodes": None,
+                "NodeNames": None,
+                "FailedNodes": {},
+                "FailedAndUnresolvableNodes": {},
+                "Error": verdict,
+            }
+        return {
+            "Nodes": (
+                {"metadata": {}, "items": [objects[n] for n in verdict.passed]}
+                if objects is not None
+                else None
+            ),
+            "NodeNames": verdict.passed if objects is None else None,
+            "FailedNodes": verdict.failed,
+            "FailedAndUnresolvableNodes": verdict.unresolvable,
+            "Error": "",
+        }

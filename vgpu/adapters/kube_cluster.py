@@ -1,0 +1,361 @@
+"""The scheduler extender's view of the Kubernetes API: watch-based caches of
+Nodes (their vgpu-node inventory) and of Pods that ask for vgpu resources,
+and the two writes of a bind (the assignment annotation, then the Binding).
+
+Only JSON crosses into the rest of the extender as plain values (PodInfo,
+NodeInventory); no `kubernetes` object or exception leaks (BindError,
+callers' sinks). Nothing here is called on the filter or prioritize path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+from vgpu.adapters.kube import TERMINAL_PHASES, _raw_watch, container_specs, core_v1_api
+from vgpu.core.annotations import (
+    Assignment,
+    NodeInventory,
+    assignment_key,
+    node_key,
+    parse_assignment,
+    parse_inventory,
+    parse_placements,
+    placements_key,
+)
+from vgpu.core.model import CardUuid
+from vgpu.core.scheduling import PodInfo
+
+log = logging.getLogger(__name__)
+
+LIST_PAGE = 500
+ACTIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"
+
+
+class BindError(Exception):
+    """A bind's API write failed; the message says which and why."""
+
+
+class Binder(Protocol):
+    def bind(self, namespace: str, name: str, uid: str, node: str, assignment: str) -> None:
+        """Annotate the pod with `assignment`, then bind it to `node`; BindError on failure."""
+        ...
+
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod from the API server (None if it does not exist); BindError on failure."""
+        ...
+
+
+class ClusterSink(Protocol):
+    """Where the caches deliver what they see."""
+
+    def nodes_listed(self, nodes: dict[str, tuple[NodeInventory | None, str]]) -> None: ...
+
+    def node_changed(self, name: str, inventory: NodeInventory | None, problem: str) -> None: ...
+
+    def node_deleted(self, name: str) -> None: ...
+
+    def pods_listed(self, pods: list[PodInfo]) -> None: ...
+
+    def pod_changed(self, pod: PodInfo) -> None: ...
+
+    def pod_deleted(self, uid: str) -> None: ...
+
+    def synced(self, kind: str, ok: bool) -> None: ...
+
+
+def node_inventory(node: dict[str, Any], domain: str) -> tuple[NodeInventory | None, str]:
+    """A Node's published inventory, or None and why it is unusable."""
+    text = ((node.get("metadata") or {}).get("annotations") or {}).get(node_key(domain))
+    if text is None:
+        return None, (
+            f"no {node_key(domain)} annotation: vgpu serve is not running on this "
+            f"node (or uses another resource domain than {domain})"
+        )
+    try:
+        return parse_inventory(str(text)), ""
+    except ValueError as exc:
+        return None, f"unreadable {node_key(domain)} annotation: {exc}"
+
+
+def pod_info(pod: dict[str, Any], domain: str) -> PodInfo:
+    """The plain values the extender keeps of one pod (JSON as the API serves it)."""
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    annotations = meta.get("annotations") or {}
+    assignment: Assignment | None = None
+    placements: dict[str, tuple[CardUuid, ...]] = {}
+    text = annotations.get(assignment_key(domain))
+    if isinstance(text, str):
+        try:
+            assignment = parse_assignment(text)
+        except ValueError:
+            assignment = None  # then the node decides, and its placements tell us
+    text = annotations.get(placements_key(domain))
+    if isinstance(text, str):
+        try:
+            placements = parse_placements(text)
+        except ValueError:
+            placements = {}
+    phase = (pod.get("status") or {}).get("phase")
+    specs = tuple(container_specs(pod, domain))
+    return PodInfo(
+        uid=str(meta.get("uid", "")),
+        namespace=str(meta.get("namespace", "default")),
+        name=str(meta.get("name", "")),
+        node=str(spec.get("nodeName") or ""),
+        active=phase not in TERMINAL_PHASES,
+        specs=specs,
+        assignment=assignment,
+        placements=placements,
+    )
+
+
+def list_all(api: Any, kind: str) -> tuple[list[dict[str, Any]], str]:
+    """Every Node, or every active Pod, page by page; and the list's resourceVersion."""
+    items: list[dict[str, Any]] = []
+    token: str | None = None
+    while True:
+        kwargs: dict[str, Any] = {"limit": LIST_PAGE, "_preload_content": False}
+        if token:
+            kwargs["_continue"] = token
+        if kind == "nodes":
+            reply = api.list_node(_request_timeout=30, **kwargs)
+        else:
+            reply = api.list_pod_for_all_namespaces(
+                field_selector=ACTIVE_PODS, _request_timeout=30, **kwargs
+            )
+        data = json.loads(reply.data)
+        items.extend(data.get("items") or [])
+        meta = data.get("metadata") or {}
+        token = meta.get("continue")
+        if not token:
+            return items, str(meta.get("resourceVersion", ""))
+
+
+class KubeUnreachable(Exception):
+    pass
+
+
+def snapshot(
+    kubeconfig: Path | None, domain: str
+) -> tuple[dict[str, tuple[NodeInventory | None, str]], list[PodInfo]]:
+    """One read of every vgpu Node and every active vgpu Pod (for `vgpu status --cluster`)."""
+    try:
+        api = core_v1_api(kubeconfig)
+        nodes, _ = list_all(api, "nodes")
+        pods, _ = list_all(api, "pods")
+    except Exception as exc:  # config, HTTP and socket errors alike
+        status = getattr(exc, "status", None)
+        raise KubeUnreachable(
+            f"HTTP {status}: {getattr(exc, 'reason', '')}" if status else f"{exc}"
+        ) from None
+    inventories = {
+        str((n.get("metadata") or {}).get("name")): node_inventory(n, domain) for n in nodes
+    }
+    infos = [p for p in (pod_info(i, domain) for i in pods) if p.specs]
+    return inventories, infos
+
+
+class ClusterCache:
+    """List+watch of Nodes and of active Pods; resumes with backoff, relists on 410."""
+
+    def __init__(
+        self,
+        domain: str,
+        kubeconfig: Path | None,
+        sink: ClusterSink,
+        backoff_max_s: float = 30.0,
+    ) -> None:
+        self.domain = domain
+        self.kubeconfig = kubeconfig
+        self.sink = sink
+        self.backoff_max_s = backoff_max_s
+        self._api: Any = None
+        self._api_lock = threading.Lock()
+
+    def _client(self) -> Any:
+        with self._api_lock:
+            if self._api is None:
+                self._api = core_v1_api(self.kubeconfig)
+            return self._api
+
+    def start(self, stop: threading.Event) -> None:
+        for kind in ("nodes", "pods"):
+            threading.Thread(
+                target=self._loop, args=(kind, stop), name=f"extender-{kind}", daemon=True
+            ).start()
+
+    # ------------------------------------------------------------ listing
+
+    def _list(self, kind: str) -> tuple[list[dict[str, Any]], str]:
+        return list_all(self._client(), kind)
+
+    def _deliver_list(self, kind: str, items: Iterable[dict[str, Any]]) -> None:
+        if kind == "nodes":
+            self.sink.nodes_listed(
+                {
+                    str((n.get("metadata") or {}).get("name")): node_inventory(n, self.domain)
+                    for n in items
+                }
+            )
+        else:
+            self.sink.pods_listed([p for p in (pod_info(i, self.domain) for i in items) if p.specs])
+
+    def _deliver(self, kind: str, event: str, obj: dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        if kind == "nodes":
+            name = str(meta.get("name"))
+            if event == "DELETED":
+                self.sink.node_deleted(name)
+            else:
+                inventory, problem = node_inventory(obj, self.domain)
+                self.sink.node_changed(name, inventory, problem)
+        elif event == "DELETED":
+            self.sink.pod_deleted(str(meta.get("uid", "")))
+        else:
+            info = pod_info(obj, self.domain)
+            if info.specs:
+                self.sink.pod_changed(info)
+
+    # -------------------------------------------------------------- loop
+
+    def _loop(self, kind: str, stop: threading.Event) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        backoff = 0.5
+        version: str | None = None
+        while not stop.is_set():
+            try:
+                if version is None:
+                    items, version = self._list(kind)
+                    self._deliver_list(kind, items)
+                    self.sink.synced(kind, True)
+                    log.info("%s cache synced: %d listed", kind, len(items))
+                api = self._client()
+                watch = _raw_watch()
+                func = api.list_node if kind == "nodes" else api.list_pod_for_all_namespaces
+                extra = {} if kind == "nodes" else {"field_selector": ACTIVE_PODS}
+                for event in watch.stream(
+                    func,
+                    resource_version=version,
+                    timeout_seconds=60,
+                    allow_watch_bookmarks=True,
+                    _request_timeout=75,
+                    **extra,
+                ):
+                    if stop.is_set():
+                        watch.stop()
+                        break
+                    raw = event.get("raw_object") or {}
+                    etype = str(event.get("type"))
+                    if etype == "ERROR":
+                        if raw.get("code") == 410:
+                            version = None
+                            break
+                        raise RuntimeError(f"watch error {raw.get('message')}")
+                    version = (raw.get("metadata") or {}).get("resourceVersion", version)
+                    if etype != "BOOKMARK":
+                        self._deliver(kind, etype, raw)
+                backoff = 0.5
+            except ApiException as exc:
+                if exc.status == 410:
+                    version = None
+                    continue
+                self.sink.synced(kind, False)
+                log.warning("%s watch: API error %s, retrying in %.1fs", kind, exc.status, backoff)
+                stop.wait(backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
+            except Exception as exc:  # urllib3, socket and client errors alike
+                self.sink.synced(kind, False)
+                log.warning(
+                    "%s watch: API server unreachable (%s), retrying in %.1fs",
+                    kind,
+                    type(exc).__name__,
+                    backoff,
+                )
+                stop.wait(backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
+
+
+class KubeBinder:
+    """The two API writes of a bind, each bounded by `timeout_s`."""
+
+    def __init__(self, kubeconfig: Path | None, domain: str, timeout_s: float) -> None:
+        self.kubeconfig = kubeconfig
+        self.domain = domain
+        self.timeout_s = timeout_s
+        self._api: Any = None
+        self._lock = threading.Lock()
+
+    def _client(self) -> Any:
+        with self._lock:
+            if self._api is None:
+                self._api = core_v1_api(self.kubeconfig)
+            return self._api
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            reply = fn()
+        except ApiException as exc:
+            detail = ""
+            try:
+                detail = str(json.loads(exc.body or "{}").get("message") or "")
+            except (ValueError, AttributeError):
+                detail = str(exc.reason or "")
+            raise BindError(f"{what}: HTTP {exc.status}: {detail or exc.reason}") from None
+        except Exception as exc:  # urllib3, socket and client errors alike
+            raise BindError(
+                f"{what}: API server unreachable ({type(exc).__name__}); "
+                "the scheduler retries the pod"
+            ) from None
+        data = reply.data
+        reply.release_conn()
+        return data
+
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            data = self._call(
+                f"reading pod {namespace}/{name}",
+                lambda: self._client().read_namespaced_pod(
+                    name, namespace, _preload_content=False, _request_timeout=self.timeout_s
+                ),
+            )
+        except BindError as exc:
+            if "HTTP 404" in str(exc):
+                return None
+            raise
+        pod: dict[str, Any] = json.loads(data)
+        return pod
+
+    def bind(self, namespace: str, name: str, uid: str, node: str, assignment: str) -> None:
+        api = self._client()
+        self._call(
+            f"annotating pod {namespace}/{name}",
+            lambda: api.patch_namespaced_pod(
+                name,
+                namespace,
+                {"metadata": {"annotations": {assignment_key(self.domain): assignment}}},
+                _preload_content=False,
+                _request_timeout=self.timeout_s,
+            ),
+        )
+        body = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        }
+        # The answer is a Status, not a Binding: never let the client decode it.
+        self._call(
+            f"binding pod {namespace}/{name} to {node}",
+            lambda: api.create_namespaced_pod_binding(
+                name, namespace, body, _preload_content=False, _request_timeout=self.timeout_s
+            ),
+        )

@@ -1,0 +1,193 @@
+"""The scheduler extender's service: the ClusterBook behind a lock, fed by the
+watch caches, answering filter, prioritize and bind.
+
+filter and prioritize read only memory. bind serializes per node: under the
+node's lock it checks the pod still fits, records an assumption (so parallel
+binding cycles never give the same room twice), writes the assignment
+annotation and the Binding, and drops the assumption if either write fails.
+An assumption that succeeded is held until the pod cache shows the pod bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from vgpu.adapters.extender_http import BindRequest, PodRequest
+from vgpu.adapters.kube_cluster import Binder, BindError, pod_info
+from vgpu.core.annotations import NodeInventory, format_assignment
+from vgpu.core.errors import InvalidRequest
+from vgpu.core.fit import NoRoom
+from vgpu.core.model import Policy
+from vgpu.core.scheduling import ClusterBook, FilterVerdict, NodeUnusable, PodInfo
+
+log = logging.getLogger("vgpu.extender")
+
+NOT_SYNCED = (
+    "vgpu extender: its caches are not synced with the API server yet (starting, or the API "
+    "server is unreachable); the scheduler retries the pod"
+)
+
+
+class ExtenderService:
+    def __init__(
+        self,
+        domain: str,
+        policy: Policy,
+        binder: Binder,
+        events: Callable[[str], None] | None = None,
+    ) -> None:
+        self.domain = domain
+        self.policy = policy
+        self.binder = binder
+        self.events = events or (lambda kind: None)
+        self.book = ClusterBook(domain)
+        self._lock = threading.Lock()
+        self._node_locks: dict[str, threading.Lock] = {}
+        self._binding: set[str] = set()  # pod uids with a bind in flight
+        self._synced: dict[str, bool] = {"nodes": False, "pods": False}
+        self._ever_synced: dict[str, bool] = {"nodes": False, "pods": False}
+
+    # ------------------------------------------------------ cache sink
+
+    def synced(self, kind: str, ok: bool) -> None:
+        with self._lock:
+            self._synced[kind] = ok
+            self._ever_synced[kind] = self._ever_synced[kind] or ok
+
+    def ready(self) -> bool:
+        """Both caches were complete once: answers come from them even while the API
+        server is down (they only miss what happened since)."""
+        with self._lock:
+            return all(self._ever_synced.values())
+
+    def nodes_listed(self, nodes: dict[str, tuple[NodeInventory | None, str]]) -> None:
+        with self._lock:
+            for name in set(self.book.nodes) - set(nodes):
+                self.book.remove_node(name)
+            for name, (inventory, problem) in nodes.items():
+                if inventory is not None or name in self.book.nodes:
+                    self.book.set_node(name, inventory, problem)
+
+    def node_changed(self, name: str, inventory: NodeInventory | None, problem: str) -> None:
+        with self._lock:
+            before = self.book.nodes.get(name)
+            if inventory is None and before is None:
+                return  # not a vgpu node: nothing to keep
+            self.book.set_node(name, inventory, problem)
+        if before is None or before.inventory != inventory:
+            log.info(
+                "node %s: %s",
+                name,
+                f"{len(inventory.cards)} card(s), {sum(c.healthy for c in inventory.cards)} healthy"
+                if inventory is not None
+                else problem,
+            )
+
+    def node_deleted(self, name: str) -> None:
+        with self._lock:
+            self.book.remove_node(name)
+
+    def pods_listed(self, pods: list[PodInfo]) -> None:
+        with self._lock:
+            self.book.replace_pods(pods)
+            self.book.warm()
+
+    def pod_changed(self, pod: PodInfo) -> None:
+        with self._lock:
+            self.book.set_pod(pod)
+
+    def pod_deleted(self, uid: str) -> None:
+        with self._lock:
+            self.book.remove_pod(uid)
+
+    # ------------------------------------------------------------ verbs
+
+    def filter(self, pod: PodRequest, nodes: Sequence[str]) -> FilterVerdict | str:
+        if not pod.specs:  # asks no vgpu resource (no managedResources configured)
+            return FilterVerdict(list(nodes), {}, {})
+        if not self.ready():
+            return NOT_SYNCED
+        with self._lock:
+            return self.book.filter(pod.specs, nodes)
+
+    def prioritize(self, pod: PodRequest, nodes: Sequence[str]) -> list[tuple[str, int]]:
+        if not pod.specs or not self.ready():
+            return [(n, 0) for n in nodes]
+        with self._lock:
+            return self.book.prioritize(pod.specs, nodes, self.policy)
+
+    def _node_lock(self, node: str) -> threading.Lock:
+        with self._lock:
+            return self._node_locks.setdefault(node, threading.Lock())
+
+    def bind(self, request: BindRequest) -> str:
+        who = f"pod {request.namespace}/{request.name}"
+        if not self.ready():
+            return NOT_SYNCED
+        with self._lock:
+            if request.uid in self._binding:
+                return f"vgpu: a bind of {who} is already in progress; retry"
+            self._binding.add(request.uid)
+        try:
+            return self._bind(request, who)
+        finally:
+            with self._lock:
+                self._binding.discard(request.uid)
+
+    def _bind(self, request: BindRequest, who: str) -> str:
+        with self._lock:
+            cached = self.book.pods.get(request.uid)
+        if cached is None:
+            # Not in the cache yet (the watch lags the scheduler's own): ask once.
+            try:
+                raw = self.binder.read_pod(request.namespace, request.name)
+            except BindError as exc:
+                return f"vgpu: cannot bind {who}: {exc}"
+            if raw is None:
+                return f"vgpu: cannot bind {who}: it no longer exists"
+            cached = pod_info(raw, self.domain)
+            if cached.uid != request.uid:
+                return f"vgpu: cannot bind {who}: its UID is now {cached.uid} (recreated)"
+        if cached.node:
+            return f"vgpu: {who} is already bound to node {cached.node}"
+        with self._node_lock(request.node):
+            with self._lock:
+                try:
+                    plan = self.book.plan(cached.specs, request.node)
+                except (NodeUnusable, NoRoom, InvalidRequest) as exc:
+                    why = exc.why if isinstance(exc, NoRoom) else str(exc)
+                    self.events("bind_refused")
+                    log.info("bind of %s to %s refused: %s", who, request.node, why)
+                    return f"vgpu: {who} no longer fits on node {request.node}: {why}"
+                self.book.assume(request.uid, request.node, cached.specs, plan)
+            assignment = format_assignment(request.node, plan.cards)
+            try:
+                self.binder.bind(
+                    request.namespace, request.name, request.uid, request.node, assignment
+                )
+            except BindError as exc:
+                with self._lock:
+                    self.book.forget(request.uid)
+                self.events("bind_failed")
+                log.warning("bind of %s to %s failed: %s", who, request.node, exc)
+                return f"vgpu: binding {who} to {request.node} failed: {exc}"
+        self.events("bound")
+        log.info(
+            "bound %s to %s: %s",
+            who,
+            request.node,
+            ", ".join(f"{c} -> {','.join(cards)}" for c, cards in sorted(plan.cards.items())),
+        )
+        return ""
+
+    # ----------------------------------------------------------- views
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "nodes": sum(1 for n in self.book.nodes.values() if n.inventory is not None),
+                "pods": len(self.book.pods),
+                "assumed": len(self.book.assumed),
+            }

@@ -1,0 +1,408 @@
+"""A kube-scheduler stand-in that calls a scheduler extender over HTTP exactly as
+kube-scheduler (1.36) does, for tests, the cluster demo and benchmarks.
+
+Wire facts it follows (kube-scheduler's pkg/scheduler/extender.go):
+
+* ``POST <urlPrefix>/<verb>`` with ``Content-Type: application/json``; the
+  JSON uses the Go field names (no JSON tags): ExtenderArgs ``{Pod, Nodes,
+  NodeNames}``, ExtenderFilterResult ``{Nodes, NodeNames, FailedNodes,
+  FailedAndUnresolvableNodes, Error}``, HostPriorityList ``[{Host, Score}]``,
+  ExtenderBindingArgs ``{PodName, PodNamespace, PodUID, Node}``,
+  ExtenderBindingResult ``{Error}``. A non-200 answer is an error.
+* nodeCacheCapable: the full Pod and ``NodeNames`` are sent, ``Nodes`` is
+  null; otherwise ``Nodes`` is a NodeList and ``NodeNames`` null. A result
+  naming a node that was not sent is an error.
+* With managedResources, only pods asking for one of them (in requests or
+  limits, of app or init containers) reach the extender, for every verb.
+* A filter ``Error`` (or an HTTP failure) fails the scheduling attempt (the
+  extender is not ignorable). Failed nodes' reasons appear in the pod's
+  PodScheduled condition: ``0/N nodes are available: <count> <reason>, ...``.
+* prioritize is called only when more than one node passes filter; each
+  score (0-10) is multiplied by the weight and by 10 (MaxNodeScore /
+  MaxExtenderPriority); the highest total wins, ties broken at random.
+* The scheduling cycle is serial; binding cycles run in parallel. With a
+  bindVerb the extender binds (creates the Binding); a bind error sends the
+  pod back to the queue with backoff. Other pods are bound by the scheduler
+  itself through pods/binding.
+
+The built-in filter is reduced to what matters here: NodeResourcesFit on the
+managed resources (node allocatable minus what bound and assumed pods ask).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from vgpu.sim.apiserver import FakeApiServer
+
+__all__ = ["SchedulerStandIn"]
+
+MAX_NODE_SCORE = 100
+MAX_EXTENDER_PRIORITY = 10
+
+
+class ExtenderError(Exception):
+    pass
+
+
+@dataclass
+class _PodState:
+    attempts: int = 0
+    next_try: float = 0.0
+    backoff_s: float = 0.0
+    last_error: str = ""
+    binding: bool = False
+
+
+@dataclass
+class Stats:
+    filter_calls: int = 0
+    prioritize_calls: int = 0
+    bind_calls: int = 0
+    bind_errors: list[str] = field(default_factory=list)
+    unschedulable: int = 0
+    bound: int = 0
+
+
+def _quantity(value: Any) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        return 0
+
+
+class SchedulerStandIn:
+    def __init__(
+        self,
+        api: FakeApiServer,
+        extender_url: str,
+        *,
+        scheduler_name: str = "vgpu-scheduler",
+        managed_resources: Sequence[str] = (),
+        node_cache_capable: bool = True,
+        weight: int = 1,
+        http_timeout_s: float = 5.0,
+        binder: bool = True,
+        bind_workers: int = 8,
+        initial_backoff_s: float = 0.1,
+        max_backoff_s: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        self.api = api
+        self.extender_url = extender_url.rstrip("/")
+        self.scheduler_name = scheduler_name
+        self.managed = frozenset(managed_resources)
+        self.node_cache_capable = node_cache_capable
+        self.weight = weight
+        self.http_timeout_s = http_timeout_s
+        self.binder = binder
+        self.initial_backoff_s = initial_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.rng = random.Random(seed)
+        self.stats = Stats()
+        self._pods: dict[str, _PodState] = {}
+        self._assumed: dict[str, tuple[str, dict[str, int]]] = {}  # uid -> (node, requests)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pool = ThreadPoolExecutor(bind_workers, thread_name_prefix="sim-sched-bind")
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="sim-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> SchedulerStandIn:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------- queue
+
+    def _loop(self) -> None:
+        seen = 0
+        while not self._stop.is_set():
+            seen = self.api.wait_for_change(seen, 0.05)
+            now = time.monotonic()
+            queue = []
+            for pod in self.api.pods():
+                spec, meta = pod.get("spec") or {}, pod["metadata"]
+                if spec.get("schedulerName") != self.scheduler_name or spec.get("nodeName"):
+                    continue
+                if (pod.get("status") or {}).get("phase", "Pending") != "Pending":
+                    continue
+                with self._lock:
+                    state = self._pods.setdefault(meta["uid"], _PodState())
+                    if state.binding or state.next_try > now:
+                        continue
+                queue.append(pod)
+            queue.sort(key=lambda p: (p["metadata"]["creationTimestamp"], p["metadata"]["name"]))
+            for pod in queue:
+                if self._stop.is_set():
+                    return
+                self._schedule_one(pod)
+
+    def _backoff(self, uid: str, error: str) -> None:
+        with self._lock:
+            state = self._pods.setdefault(uid, _PodState())
+            state.backoff_s = min(
+                self.max_backoff_s,
+                state.backoff_s * 2 if state.backoff_s else self.initial_backoff_s,
+            )
+            state.next_try = time.monotonic() + state.backoff_s
+            state.last_error = error
+            state.binding = False
+
+    # ------------------------------------------------------ scheduling cycle
+
+    def interested(self, pod: dict[str, Any]) -> bool:
+        if not self.managed:
+            return True
+        spec = pod.get("spec") or {}
+        for container in (spec.get("containers") or []) + (spec.get("initContainers") or []):
+            resources = container.get("resources") or {}
+            names = set(resources.get("requests") or {}) | set(resources.get("limits") or {})
+            if names & self.managed:
+                return True
+        return False
+
+    def _requests(self, pod: dict[str, Any]) -> dict[str, int]:
+        """Effective request per managed resource: max(largest init, sum of apps)."""
+        spec = pod.get("spec") or {}
+
+        def asked(c: dict[str, Any]) -> dict[str, int]:
+            resources = c.get("resources") or {}
+            merged = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+            return {r: _quantity(merged[r]) for r in self.managed if r in merged}
+
+        out: dict[str, int] = {}
+        for c in spec.get("containers") or []:
+            for r, n in asked(c).items():
+                out[r] = out.get(r, 0) + n
+        for c in spec.get("initContainers") or []:
+            for r, n in asked(c).items():
+                out[r] = max(out.get(r, 0), n)
+        return out
+
+    def _fits_totals(self, pod: dict[str, Any], nodes: list[dict[str, Any]]) -> dict[str, str]:
+        """NodeResourcesFit on the managed resources: node name -> reason for those failing."""
+        wanted = self._requests(pod)
+        used: dict[str, dict[str, int]] = {}
+        for other in self.api.pods():
+            node = (other.get("spec") or {}).get("nodeName")
+            if node and (other.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+                for r, n in self._requests(other).items():
+                    used.setdefault(node, {})[r] = used.setdefault(node, {}).get(r, 0) + n
+        with self._lock:
+            for uid, (node, requests) in self._assumed.items():
+                if uid == pod["metadata"]["uid"]:
+                    continue
+                for r, n in requests.items():
+                    used.setdefault(node, {})[r] = used.setdefault(node, {}).get(r, 0) + n
+        failed = {}
+        for node in nodes:
+            name = node["metadata"]["name"]
+            allocatable = (node.get("status") or {}).get("allocatable") or {}
+            for r, n in sorted(wanted.items()):
+                if n and _quantity(allocatable.get(r, 0)) - used.get(name, {}).get(r, 0) < n:
+                    failed[name] = f"Insufficient {r}"
+                    break
+        return failed
+
+    def _schedule_one(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        uid = meta["uid"]
+        with self._lock:
+            self._pods.setdefault(uid, _PodState()).attempts += 1
+        nodes = [n for n in self.api.nodes() if not (n.get("spec") or {}).get("unschedulable")]
+        reasons = self._fits_totals(pod, nodes)
+        feasible = [n for n in nodes if n["metadata"]["name"] not in reasons]
+        interested = self.interested(pod)
+        try:
+            if interested and feasible:
+                feasible, failed = self._filter(pod, feasible)
+                reasons.update(failed)
+        except ExtenderError as exc:
+            self._unschedulable(pod, f"extender filter failed: {exc}", len(nodes))
+            return
+        if not feasible:
+            counts: dict[str, int] = {}
+            for reason in reasons.values():
+                counts[reason] = counts.get(reason, 0) + 1
+            detail = ", ".join(f"{n} {r}" for r, n in sorted(counts.items()))
+            self._unschedulable(pod, f"0/{len(nodes)} nodes are available: {detail}.", len(nodes))
+            return
+        host = feasible[0]["metadata"]["name"]
+        if len(feasible) > 1:
+            host = self._select(pod, feasible, interested)
+        with self._lock:
+            self._assumed[uid] = (host, self._requests(pod))
+            self._pods[uid].binding = True
+        self._pool.submit(self._binding_cycle, pod, host, interested)
+
+    def _unschedulable(self, pod: dict[str, Any], message: str, nodes: int) -> None:
+        meta = pod["metadata"]
+        self.stats.unschedulable += 1
+
+        def mutate(obj: dict[str, Any]) -> None:
+            status = obj.setdefault("status", {})
+            conditions = [
+                c for c in status.get("conditions") or [] if c.get("type") != "PodScheduled"
+            ]
+            conditions.append(
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": message,
+                }
+            )
+            status["conditions"] = conditions
+
+        try:
+            self.api.update_pod(meta["namespace"], meta["name"], mutate)
+        except KeyError:
+            pass
+        self._backoff(meta["uid"], message)
+
+    def _nodes_arg(self, nodes: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.node_cache_capable:
+            return {"Nodes": None, "NodeNames": [n["metadata"]["name"] for n in nodes]}
+        return {"Nodes": {"metadata": {}, "items": nodes}, "NodeNames": None}
+
+    def _filter(
+        self, pod: dict[str, Any], nodes: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        self.stats.filter_calls += 1
+        result = self._post("filter", {"Pod": pod, **self._nodes_arg(nodes)})
+        if not isinstance(result, dict):
+            raise ExtenderError("filter answer is not an object")
+        if result.get("Error"):
+            raise ExtenderError(str(result["Error"]))
+        by_name = {n["metadata"]["name"]: n for n in nodes}
+        if self.node_cache_capable and result.get("NodeNames") is not None:
+            names = list(result["NodeNames"])
+        elif result.get("Nodes") is not None:
+            names = [n["metadata"]["name"] for n in result["Nodes"].get("items") or []]
+        else:
+            names = []
+        for name in names:
+            if name not in by_name:
+                raise ExtenderError(f"extender claims a filtered node {name!r} not in the input")
+        failed = dict(result.get("FailedNodes") or {})
+        failed.update(result.get("FailedAndUnresolvableNodes") or {})
+        return [by_name[n] for n in names], failed
+
+    def _select(self, pod: dict[str, Any], nodes: list[dict[str, Any]], interested: bool) -> str:
+        scores: dict[str, int] = {n["metadata"]["name"]: 0 for n in nodes}
+        if interested:
+            self.stats.prioritize_calls += 1
+            try:
+                result = self._post("prioritize", {"Pod": pod, **self._nodes_arg(nodes)})
+                for entry in result or []:
+                    if entry["Host"] in scores:
+                        scores[entry["Host"]] += (
+                            int(entry["Score"])
+                            * self.weight
+                            * (MAX_NODE_SCORE // MAX_EXTENDER_PRIORITY)
+                        )
+            except (ExtenderError, KeyError, TypeError, ValueError):
+                pass  # kube-scheduler ignores a failed prioritize
+        best = max(scores.values())
+        return self.rng.choice(sorted(n for n, s in scores.items() if s == best))
+
+    # ---------------------------------------------------------- binding cycle
+
+    def _binding_cycle(self, pod: dict[str, Any], host: str, interested: bool) -> None:
+        meta = pod["metadata"]
+        try:
+            if self.binder and interested:
+                self.stats.bind_calls += 1
+                args = {
+                    "PodName": meta["name"],
+                    "PodNamespace": meta["namespace"],
+                    "PodUID": meta["uid"],
+                    "Node": host,
+                }
+                result = self._post("bind", args)
+                if not isinstance(result, dict):
+                    raise ExtenderError("bind answer is not an object")
+                if result.get("Error"):
+                    raise ExtenderError(str(result["Error"]))
+            else:
+                self._bind_self(meta, host)
+        except ExtenderError as exc:
+            self.stats.bind_errors.append(str(exc))
+            with self._lock:
+                self._assumed.pop(meta["uid"], None)
+            self._backoff(meta["uid"], f"binding rejected: {exc}")
+            return
+        with self._lock:
+            self._assumed.pop(meta["uid"], None)
+            state = self._pods.setdefault(meta["uid"], _PodState())
+            state.binding = False
+            state.next_try = float("inf")  # bound: never again
+        self.stats.bound += 1
+
+    def _bind_self(self, meta: dict[str, Any], host: str) -> None:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": host},
+        }
+        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/binding"
+        status, data = self._request(self.api.url, path, body)
+        if status != 201:
+            raise ExtenderError(f"binding failed with HTTP {status}: {data[:200]!r}")
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _request(self, base: str, path: str, body: Any) -> tuple[int, bytes]:
+        url = urlsplit(base)
+        conn = http.client.HTTPConnection(
+            url.hostname or "127.0.0.1", url.port or 80, timeout=self.http_timeout_s
+        )
+        try:
+            payload = json.dumps(body).encode()
+            conn.request("POST", path, payload, {"Content-Type": "application/json"})
+            reply = conn.getresponse()
+            return reply.status, reply.read()
+        except OSError as exc:
+            raise ExtenderError(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            conn.close()
+
+    def _post(self, verb: str, args: Any) -> Any:
+        url = urlsplit(self.extender_url)
+        status, data = self._request(self.extender_url, f"{url.path}/{verb}", args)
+        if status != 200:
+            raise ExtenderError(
+                f"failed {verb} with extender at URL {self.extender_url}/{verb}, code {status}"
+            )
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            raise ExtenderError(f"{verb} answer is not JSON: {exc}") from None
+
+    def state(self, uid: str) -> _PodState:
+        with self._lock:
+            return self._pods.get(uid, _PodState())
