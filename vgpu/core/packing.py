@@ -33,6 +33,7 @@ from vgpu.core.errors import (
     InsufficientCapacity,
     InvalidRequest,
     PlacementConflict,
+    UnknownCard,
     UnknownDevice,
 )
 from vgpu.core.model import (
@@ -118,6 +119,7 @@ class Ledger:
         self.policy = policy
         self.domain = domain
         self.cards: dict[CardUuid, Card] = {}
+        self._seen: dict[CardUuid, Card] = {}  # every card this node ever had
         self._index: dict[str, tuple[CardUuid, Resource, int]] = {}
         self.placements: dict[str, Placement] = {}
         self._holders: dict[DeviceId, set[str]] = {}
@@ -135,6 +137,7 @@ class Ledger:
     def set_cards(self, cards: Iterable[Card]) -> None:
         """Replace the card list (health changes, a card gone). Placements stay."""
         self.cards = {c.uuid: c for c in cards}
+        self._seen.update(self.cards)
         self._index = {
             device_id: (card.uuid, resource, i)
             for card in self.cards.values()
@@ -213,6 +216,17 @@ class Ledger:
             self._pending = None
         self._settled.discard(key)
         return placement
+
+    def is_settled(self, key: str) -> bool:
+        """Has the kubelet listed this placement (or did an earlier run record it)?"""
+        return key in self._settled
+
+    def holders_among(self, ids: Iterable[str]) -> list[str]:
+        """Keys of the placements holding any of these IDs, oldest first."""
+        keys: set[str] = set()
+        for device_id in ids:
+            keys |= self._holders.get(DeviceId(device_id), set())
+        return sorted(keys, key=lambda k: (self.placements[k].created_s, k))
 
     def mark_settled(self, keys: Iterable[str]) -> None:
         """These placements are known to the kubelet (e.g. recovered at start-up:
@@ -611,6 +625,20 @@ class Ledger:
                 unknown.append(raw)
             elif found[1] is not resource:
                 other.append(raw)
+        for raw in unknown:
+            try:
+                card = parse_device_id(raw)[0]
+            except UnknownDevice:
+                continue
+            gone = self._seen.get(card)
+            if gone is not None and card not in self.cards:
+                raise UnknownCard(
+                    f"{what} names card {card} (index {gone.index}), which is no longer on "
+                    "this node (it disappeared from the GPU backend); nothing is placed on it. "
+                    "The kubelet stops offering its IDs within a second; check the node's GPUs "
+                    "(nvidia-smi, dmesg for XIDs)",
+                    card,
+                )
         if unknown:
             raise UnknownDevice(
                 f"{what} has {len(unknown)} device ID(s) this node never advertised for "
@@ -631,8 +659,18 @@ class Ledger:
         device_ids: Sequence[str],
         candidates: Sequence[ContainerSpec] = (),
         now_s: float = 0.0,
+        reused: Collection[str] = (),
     ) -> Placement:
-        """Answer Allocate: validate the IDs and record (or replay) the placement."""
+        """Answer Allocate: validate the IDs and record the new container's placement.
+
+        The kubelet calls Allocate once per container, so IDs a placement still
+        holds arrive here only for a new container. `reused` names the holders
+        the daemon established, from the kubelet's own record, to be init
+        containers of the same pod whose IDs this container reuses: exactly
+        their IDs get their placement back. The daemon releases holders it
+        found dead before calling; any other holder is kept untouched and this
+        container gets a placement (and a directory) of its own.
+        """
         if not device_ids:
             raise InvalidRequest(
                 f"Allocate for {resource.full_name(self.domain)} carried no device IDs"
@@ -640,10 +678,10 @@ class Ledger:
         self._check_ids(resource, device_ids, "devices_ids")
         ids = frozenset(DeviceId(d) for d in device_ids)
 
-        # The kubelet replays, or an app container reuses an init container's IDs.
-        for placement in self.placements.values():
-            if placement.ids.get(resource) == ids:
-                return placement
+        for key in reused:
+            held = self.placements.get(key)
+            if held is not None and held.ids.get(resource) == ids:
+                return held
 
         cards = tuple(
             sorted({parse_device_id(d)[0] for d in ids}, key=lambda c: self.cards[c].index)
@@ -692,7 +730,7 @@ class Ledger:
                 )
             for other in self.placements_on(card):
                 if other.key == own_key or other.ids.get(resource, frozenset()) & ids:
-                    continue  # our own pending placement, or a reuse of this pod's IDs
+                    continue  # our own pending placement, or a holder of these very IDs
                 if other.whole or (resource is Resource.CORE and count >= CORE_UNITS_PER_CARD):
                     raise PlacementConflict(
                         f"card {card} is held whole by another container "
@@ -722,7 +760,7 @@ class Ledger:
             # pod spec when known, so both Allocate answers say the same.
             request = pending.request if pending is not None else Request()
             placement = Placement(
-                key=placement_key(ids),
+                key=self._fresh_key(ids),
                 cards=cards,
                 ids={resource: ids},
                 core_percent=0,
@@ -751,6 +789,16 @@ class Ledger:
                 allocated={resource},
             )
         return placement
+
+    def _fresh_key(self, ids: frozenset[DeviceId]) -> str:
+        """The key of a new placement: from its IDs, made unique if a placement
+        the daemon could not prove dead still holds the same IDs."""
+        key = placement_key(ids)
+        n = 0
+        while key in self.placements:
+            n += 1
+            key = placement_key([*ids, DeviceId(f"#{n}")])
+        return key
 
     def _with_limits(self, placement: Placement, core: int, mem_units: int | None) -> Placement:
         """Core percent per card and per-card memory limit (none for whole cards)."""

@@ -1,0 +1,83 @@
+"""Issue 13, item 2: a deleted pod's placement is never handed to the next tenant.
+
+The kubelet calls Allocate once per container. When it gives a new container,
+without GetPreferredAllocation first, the IDs a deleted pod held, the new
+container must get a placement, a config and a budget of its own; an app
+container reusing its own init container's IDs still shares that placement.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.adversarial.helpers import config, config_dir, plant, sees_planted
+from tests.conftest import NodeFactory
+from tests.integration.conftest_placement import (
+    CORE,
+    MEM,
+    assert_admitted_ok,
+    capacity_problems,
+    status,
+    wait_until,
+)
+
+H200_UNITS = 143771 // 256  # 561 memory units on one card
+
+
+@pytest.mark.timeout(60)
+def test_deleted_pods_ids_straight_to_allocate_get_a_fresh_placement(
+    make_node: NodeFactory,
+) -> None:
+    # One card, no periodic reconcile: only the Allocate path can notice.
+    node = make_node(
+        "preset:1xH200", api=True, daemon_args=("--reconcile-interval-s", "3600"), seed=3
+    )
+    assert node.api is not None
+    old = node.pod("old", {CORE: 10, MEM: 400})  # 100 GiB
+    first = node.submit(old)
+    assert_admitted_ok(first)
+    filler = node.submit(node.pod("filler", {CORE: 90, MEM: H200_UNITS - 400}))
+    assert_admitted_ok(filler)
+    assert wait_until(lambda: {c["pod"] for c in status(node)["containers"]} >= {"old"}, 10)
+    victim = first.container("main")
+    plant(victim)
+    assert sees_planted(victim)
+
+    # The API server goes down; the pod is deleted; the kubelet hands exactly
+    # its IDs (the only free ones) to the next pod, straight to Allocate.
+    node.api.set_down(True)
+    node.kubelet.remove_pod(old.uid)
+    node.kubelet.call_preferred = False
+    new = node.submit(node.pod("new", {CORE: 10, MEM: 4}), [CORE, MEM])  # 1 GiB
+    assert_admitted_ok(new)
+    got = new.container("main")
+    assert set(got.device_ids[CORE]) == set(victim.device_ids[CORE])  # the scenario held
+
+    assert got.envs["VGPU_MEMORY_LIMIT_MIB"] == str(4 * 256), got.envs
+    assert got.envs["VGPU_CORE_LIMIT"] == "10"
+    record = config(got)
+    assert (record["pod"] or {}).get("name") != "old", record
+    assert record["memory_limit_mib"] == 4 * 256
+    assert sorted(record["device_ids"]["vcuda-memory"]) == sorted(got.device_ids[MEM])
+    assert sees_planted(got) == []
+    # The card's limits handed out stay within its memory, and nothing is held twice.
+    limits = sum(c["memory_mib"] for c in status(node)["containers"])
+    assert limits <= 143771, status(node)["containers"]
+    assert not capacity_problems(node)
+    assert "arrive for a new container" in node.log()
+    assert wait_until(lambda: not config_dir(victim).exists() or config(got)["key"], 5)
+
+
+@pytest.mark.timeout(60)
+def test_init_containers_ids_still_shared_with_its_app_container(make_node: NodeFactory) -> None:
+    node = make_node(api=True, seed=5)
+    pod = node.pod("with-init", {"app": {CORE: 20, MEM: 40}}, init={"setup": {CORE: 20, MEM: 40}})
+    result = node.submit(pod, [CORE, MEM])
+    assert_admitted_ok(result)
+    init, app = result.container("setup"), result.container("app")
+    assert set(init.device_ids[CORE]) == set(app.device_ids[CORE])
+    # By fact (the kubelet runs the pod, "setup" is not one of its app
+    # containers): the app container shares the init container's placement.
+    assert config_dir(app) == config_dir(init)
+    assert "the new container shares it" in node.log()
+    assert not capacity_problems(node)
