@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import resource
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-
-import psutil
 
 FILLER = ".vgpu-test-filler"
 
@@ -93,16 +93,16 @@ class SmallDisk:
 
 
 @contextlib.contextmanager
-def open_file_limit(pid: int, soft: int | None = None) -> contextlib.Generator[int]:
+def open_file_limit(pid: int, soft: int | None = None) -> Iterator[int]:
     """Lower a running process's soft RLIMIT_NOFILE (by default below the number
     of descriptors it holds now, so that its next opens fail with EMFILE even if
     a few close meanwhile); restored on exit."""
-    proc = psutil.Process(pid)
-    before = proc.rlimit(psutil.RLIMIT_NOFILE)
-    limit = max(3, proc.num_fds() - 8) if soft is None else soft
-    proc.rlimit(psutil.RLIMIT_NOFILE, (limit, before[1]))
+    before = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    held = len(os.listdir(f"/proc/{pid}/fd"))
+    limit = max(3, held - 8) if soft is None else soft
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, before[1]))
     try:
         yield limit
     finally:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.rlimit(psutil.RLIMIT_NOFILE, before)
+        with contextlib.suppress(ProcessLookupError):
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, before)
