@@ -123,6 +123,9 @@ class ContainerSpec:
     created_s: float  # pod creation time, seconds since the epoch
     init: bool = False
     order: int = 0  # position in the pod: init containers first
+    # Why the pod spec cannot be honoured (e.g. a non-integer quantity), naming
+    # the container and resource; the admission is refused with it. "" = fine.
+    problem: str = ""
 
     @property
     def ident(self) -> tuple[str, str]:

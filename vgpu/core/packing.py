@@ -493,6 +493,8 @@ class Ledger:
         self._pending = None
         if spec is not None:
             request = spec.request
+            if spec.problem:
+                raise InvalidRequest(spec.problem)
             self.validate_request(request)
         else:
             request = (
@@ -741,6 +743,8 @@ class Ledger:
         if pending is None and resource is Resource.CORE and 0 < count < CORE_UNITS_PER_CARD:
             spec = self._match(resource, count, candidates)
             if spec is not None:
+                if spec.problem:
+                    raise InvalidRequest(spec.problem)
                 self.validate_request(spec.request)
 
         if pending is not None and pending.key is not None:
