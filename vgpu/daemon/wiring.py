@@ -192,7 +192,7 @@ class Daemon:
         if s.metrics_address:
             from vgpu.daemon.metrics import Metrics
 
-            self.metrics = Metrics(self)
+            self.metrics = Metrics(self, s.metrics_container_names)
             self.metrics.serve(s.metrics_address)
         self._serve()
         self._try_register()
