@@ -81,3 +81,35 @@ def test_init_containers_ids_still_shared_with_its_app_container(make_node: Node
     assert config_dir(app) == config_dir(init)
     assert "the new container shares it" in node.log()
     assert not capacity_problems(node)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("first", "order"),
+    [({CORE: 100}, [MEM, CORE]), ({MEM: 40}, [CORE, MEM])],
+    ids=["after-a-whole-card", "after-memory-only"],
+)
+def test_without_pod_information_the_next_pod_never_shares_a_directory(
+    make_node: NodeFactory, first: dict[str, int], order: list[str]
+) -> None:
+    # No API server: the daemon cannot know whether a container asks one
+    # resource or two. The next pod's first resource must not be taken for
+    # the in-flight container's second one (the kubelet lists the new pod).
+    node = make_node(api=False, seed=11)
+    x = node.submit(node.pod("x", first))
+    assert_admitted_ok(x)
+    plant(x.container("main"))
+    y = node.submit(node.pod("y", {CORE: 10, MEM: 40}), order)
+    assert_admitted_ok(y)
+    got = y.container("main")
+    assert config_dir(got) != config_dir(x.container("main"))
+    assert sees_planted(got) == []
+    assert (
+        got.envs["VGPU_MEMORY_LIMIT_MIB"] == str(40 * 256) and got.envs["VGPU_CORE_LIMIT"] == "10"
+    )
+    assert not capacity_problems(node)
+    # A pod's own two resources are still paired on one card, either order.
+    for i, order in enumerate(([CORE, MEM], [MEM, CORE])):
+        both = node.submit(node.pod(f"both{i}", {CORE: 20, MEM: 30}), order)
+        assert_admitted_ok(both)
+        assert both.container("main").envs["VGPU_MEMORY_LIMIT_MIB"] == str(30 * 256)

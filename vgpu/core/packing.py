@@ -456,10 +456,14 @@ class Ledger:
         must_include: Sequence[str],
         size: int,
         candidates: Sequence[ContainerSpec] = (),
+        blind_pairing: bool = True,
     ) -> tuple[list[DeviceId], list[str]]:
         """Answer GetPreferredAllocation: exactly `size` IDs on the right card(s).
 
         Returns the IDs and the keys of placements found dead on the way.
+        `blind_pairing` False: the daemon found that this call may belong to
+        another pod than the in-flight container placed without pod
+        information, so it is not taken for that container's other resource.
         """
         self.check_preferred(resource, must_include, size)
         must = [DeviceId(d) for d in must_include]
@@ -475,7 +479,7 @@ class Ledger:
 
         spec = self._match(resource, size, candidates)
         pending = self._pending
-        if pending is not None and self._continues(pending, resource, size, spec):
+        if pending is not None and self._continues(pending, resource, size, spec, blind_pairing):
             ids = self._ids_on(pending.cards, avail, must, size)
             if len(ids) < size:
                 raise self._refuse(
@@ -534,6 +538,13 @@ class Ledger:
             if placement.owner is None:
                 self.placements[pending.key] = replace(placement, owner=spec.owner())
 
+    def blind_pending_key(self) -> str | None:
+        """The in-flight placement made without pod information, if any."""
+        pending = self._pending
+        if pending is None or pending.spec is not None:
+            return None
+        return pending.key
+
     def unattributed_pending(self) -> frozenset[DeviceId]:
         """IDs already allocated to an in-flight container we have no pod for."""
         pending = self._pending
@@ -579,7 +590,11 @@ class Ledger:
 
     @staticmethod
     def _continues(
-        pending: _Pending, resource: Resource, size: int, spec: ContainerSpec | None
+        pending: _Pending,
+        resource: Resource,
+        size: int,
+        spec: ContainerSpec | None,
+        blind_pairing: bool = True,
     ) -> bool:
         """Is this call the in-flight container's other resource?"""
         if resource in pending.allocated:
@@ -596,7 +611,7 @@ class Ledger:
         # pod reached the cache between the two calls). Otherwise it is a new
         # container and the in-flight one was stale.
         if spec is None:
-            return True
+            return blind_pairing
         return all(
             spec.request.units(r) == pending.request.units(r) for r in pending.allocated
         ) and bool(pending.allocated)
@@ -662,6 +677,7 @@ class Ledger:
         candidates: Sequence[ContainerSpec] = (),
         now_s: float = 0.0,
         reused: Collection[str] = (),
+        blind_pairing: bool = True,
     ) -> Placement:
         """Answer Allocate: validate the IDs and record the new container's placement.
 
@@ -694,6 +710,7 @@ class Ledger:
             and resource not in pending.allocated
             and (pending.expected is None or resource in pending.expected)
             and (resource in pending.steered or pending.key is not None)
+            and (pending.expected is not None or blind_pairing)
         )
         if pending is not None and joins and not set(cards) <= set(pending.cards):
             if resource in pending.steered or pending.expected is not None:

@@ -99,6 +99,9 @@ class PluginService:
         self._podres_error = ""
         # Installs the hook library when start-up could not (e.g. a full disk).
         self.hook_installer: Callable[[], Path] | None = None
+        # (key, pods the kubelet listed) at the Allocate of an in-flight
+        # container placed without pod information: see _blind_pairing().
+        self._blind_pods: tuple[str, frozenset[tuple[str, str]]] | None = None
 
     # ------------------------------------------------------------ cards
 
@@ -304,11 +307,12 @@ class PluginService:
         self, resource: Resource, req: PreferredRequest, deadline: float
     ) -> list[str]:
         candidates = self._candidates(resource, req.size, deadline)
+        blind = self._blind_pairing()
         for attempt in (1, 2):
             try:
                 with self._lock:
                     ids, released = self.ledger.preferred(
-                        resource, req.available, req.must_include, req.size, candidates
+                        resource, req.available, req.must_include, req.size, candidates, blind
                     )
                     for key in released:
                         self._forget(key, "the kubelet offers its IDs as free")
@@ -351,10 +355,16 @@ class PluginService:
     def allocate(self, resource: Resource, device_ids: Sequence[str]) -> AllocationAnswer:
         candidates = self.pods.candidates()
         reused = self._judge_held(resource, device_ids)
+        blind = self._blind_pairing()
         with self._lock:
             known = self.ledger.placements.copy()
             placement = self.ledger.allocate(
-                resource, device_ids, candidates, now_s=self.clock(), reused=reused
+                resource,
+                device_ids,
+                candidates,
+                now_s=self.clock(),
+                reused=reused,
+                blind_pairing=blind,
             )
             if known.get(placement.key) != placement:
                 try:
@@ -379,8 +389,38 @@ class PluginService:
                 )
                 self.events("placement", {"key": placement.key, "resource": resource.value})
             answer = self.answer(placement)
+            blind_key = self.ledger.blind_pending_key()
+        if blind_key is not None and (self._blind_pods or ("",))[0] != blind_key:
+            pods = self._listed_pods()
+            self._blind_pods = (blind_key, pods) if pods is not None else None
         self._schedule_owner_sync()
         return answer
+
+    def _listed_pods(self) -> frozenset[tuple[str, str]] | None:
+        if self.podresources is None:
+            return None
+        try:
+            listing = self.podresources.snapshot({self.resource_name(r) for r in Resource})
+        except PodResourcesUnavailable:
+            return None
+        return frozenset(listing.pods)
+
+    def _blind_pairing(self) -> bool:
+        """May this call be the other resource of the in-flight container placed
+        without pod information? Only if the kubelet lists no pod it did not list
+        at that container's Allocate: it admits one pod at a time and lists a pod
+        from the start of its admission, so a new pod means the call may be
+        another pod's, which must never be paired with (and given the
+        directory of) this one. Asks the pod-resources API only in this case."""
+        with self._lock:
+            key = self.ledger.blind_pending_key()
+        if key is None:
+            return True
+        seen = self._blind_pods
+        if seen is None or seen[0] != key:
+            return False
+        now = self._listed_pods()
+        return now is not None and now <= seen[1]
 
     def _judge_held(self, resource: Resource, device_ids: Sequence[str]) -> frozenset[str]:
         """IDs a placement still holds arrive for a new container: settle each holder
