@@ -382,3 +382,14 @@ def test_the_kubelet_can_name_the_in_flight_container() -> None:
     mem, _ = led.preferred(MEM, k.available(MEM), [], 20, [owner])
     placement = led.allocate(MEM, mem, [owner])
     assert len(placement.cards) == 1 and placement.owner == owner.owner()
+
+
+def test_reconcile_releases_a_stale_in_flight_placement() -> None:
+    # Placed without pod information and its pod deleted before the kubelet
+    # listed it: kept while its other resource may come, then released.
+    led = ledger(1)
+    card = next(iter(led.cards))
+    p = led.allocate(CORE, [format_device_id(card, CORE, i) for i in range(5)], now_s=0)
+    assert led.reconcile(frozenset(), now_s=10) == []
+    assert [r.key for r in led.reconcile(frozenset(), now_s=40)] == [p.key]
+    assert led.blind_pending_key() is None

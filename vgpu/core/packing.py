@@ -256,8 +256,9 @@ class Ledger:
 
         `live_ids` are every device ID of ours that the kubelet's pod-resources
         API lists for an active container; `gone_pods` are UIDs of pods the API
-        server says are deleted or finished. The one being admitted is kept. A
-        placement the kubelet has not listed yet is kept for the grace period
+        server says are deleted or finished. The one being admitted is kept for
+        the grace period (its other resource may follow). A placement the
+        kubelet has not listed yet is kept for the grace period
         (the kubelet records an allocation only after our answer reached it),
         unless its pod is gone; one it listed before is released at once.
         """
@@ -266,13 +267,13 @@ class Ledger:
         gone = frozenset(gone_pods)
         pending_key = self._pending.key if self._pending else None
         for key, placement in list(self.placements.items()):
-            if key == pending_key:
-                continue
+            young = now_s - placement.created_s < RECONCILE_GRACE_S
+            if key == pending_key and young:
+                continue  # its other resource may still come
             if placement.all_ids() & live:
                 self._settled.add(key)
                 continue
             owner_gone = placement.owner is not None and placement.owner.pod_uid in gone
-            young = now_s - placement.created_s < RECONCILE_GRACE_S
             if young and key not in self._settled and not owner_gone:
                 continue
             self.release(key)

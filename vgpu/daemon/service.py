@@ -389,8 +389,10 @@ class PluginService:
                 )
                 self.events("placement", {"key": placement.key, "resource": resource.value})
             answer = self.answer(placement)
+            # A container placed without pod information, at its first resource.
             blind_key = self.ledger.blind_pending_key()
-        if blind_key is not None and (self._blind_pods or ("",))[0] != blind_key:
+            first = blind_key == placement.key and len(placement.ids) == 1
+        if blind_key is not None and first:
             pods = self._listed_pods()
             self._blind_pods = (blind_key, pods) if pods is not None else None
         self._schedule_owner_sync()
