@@ -185,10 +185,13 @@ class Soak:
         self.violations: list[str] = []
         self.samples: list[tuple[float, float, int]] = []  # (t, rss MiB, fds)
         self.orphans: dict[str, float] = {}
+        self.splits: dict[str, str] = {}  # container -> its records, when not one
         self.timed: list[tuple[float, str]] = []  # (end, fault) being undone later
         self.disk_full_until = 0.0
         self.restarted_at = 0.0
         self.hammer = Hammer(self.port, self._up)
+        self.trace: list[str] = []  # the last steps, for the report on a violation
+        self.daemon_log = ""
 
     # -------------------------------------------------------------- lifecycle
 
@@ -238,6 +241,7 @@ class Soak:
                 kind = "delete"
             getattr(self, f"_{kind}")()
             self.steps[kind] += 1
+            self.trace = [*self.trace[-199:], f"{time.time():.3f} {kind} s{self.counter}"]
             self._check(kind)
         for _end, fault in list(self.timed):
             self._undo(fault)
@@ -315,32 +319,52 @@ class Soak:
             write_cards(self.gpus)
 
     def _tenant_attack(self) -> None:
-        """A tenant plants links, a FIFO and a deep tree in what it can write."""
+        """A tenant plants links, a FIFO and a deep tree in what it can write.
+
+        Like a container, it writes through what it opened (its mount), never
+        through host paths, which the daemon may have moved away meanwhile.
+        """
         if not self.live:
             return
         pod = self.rng.choice(self.live)
         for path in self._writable(pod):
             try:
-                if path.is_dir() and not path.is_symlink():
-                    for name, target in (("vgpu.shm", self.host / "secret"), ("up", self.host)):
-                        tmp = path / f".{name}.lnk"
-                        tmp.unlink(missing_ok=True)
-                        tmp.symlink_to(target)
-                        os.replace(tmp, path / name)
-                    with contextlib.suppress(FileExistsError):
-                        os.mkfifo(path / "pipe")
-                    deep = path / "deep"
-                    for _ in range(300):
-                        deep = deep / "d"
-                    deep.mkdir(parents=True, exist_ok=True)
-                else:
-                    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-                    try:
-                        os.pwrite(fd, b"\xff" * 64, 0)
-                    finally:
-                        os.close(fd)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             except OSError:
-                pass  # gone meanwhile: fine
+                continue  # gone meanwhile: fine
+            try:
+                if os.path.isdir(f"/proc/self/fd/{fd}"):
+                    self._plant(fd)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                        os.pwrite(fd, b"\xff" * 64, 0)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _plant(self, dir_fd: int) -> None:
+        with contextlib.suppress(OSError):
+            for name, target in (("vgpu.shm", self.host / "secret"), ("up", self.host)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f".{name}.lnk", dir_fd=dir_fd)
+                os.symlink(target, f".{name}.lnk", dir_fd=dir_fd)
+                os.replace(f".{name}.lnk", name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        with contextlib.suppress(OSError):
+            os.mkfifo("pipe", dir_fd=dir_fd)
+        fd = os.dup(dir_fd)
+        try:
+            for name in ["deep"] + ["d"] * 300:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, dir_fd=fd)
+                child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = child
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def _writable(self, pod: SimPod) -> list[Path]:
         """What the pod's containers can write: their records' shared directory
@@ -451,8 +475,13 @@ class Soak:
                 live_sets.append(ids)
                 key = by_ids.get(frozenset(ids.items()))
                 if key is None:
-                    if not disk_trouble:
-                        self.violations.append(f"{step}: record of {pod.name}/{c.name} lost")
+                    self._unmatched(step, f"{pod.name}/{c.name}", ids, records, disk_trouble)
+                    live_keys |= {
+                        k
+                        for k, d in records.items()
+                        if _ids_of(d)
+                        and all(v <= ids.get(r, frozenset()) for r, v in _ids_of(d).items())
+                    }
                     continue
                 live_keys.add(key)
                 record = records[key]
@@ -479,6 +508,31 @@ class Soak:
         self._check_trash(now)
         self._check_host(step)
         self._sample(proc.pid)
+
+    def _unmatched(
+        self,
+        step: str,
+        name: str,
+        ids: dict[str, frozenset[str]],
+        records: dict[str, dict[str, Any]],
+        disk_trouble: bool,
+    ) -> None:
+        """No one record holds exactly a live container's IDs. Lost if some ID is
+        in no record at all; split (a documented fallback: its resources were
+        placed without being paired) if records within its IDs cover them."""
+        inside = [
+            _ids_of(d)
+            for d in records.values()
+            if _ids_of(d) and all(v <= ids.get(r, frozenset()) for r, v in _ids_of(d).items())
+        ]
+        covered = {r: frozenset().union(*(x.get(r, frozenset()) for x in inside)) for r in ids}
+        if covered == ids:
+            if name not in self.splits:
+                self.splits[name] = f"{step}: {[{r: len(v) for r, v in x.items()} for x in inside]}"
+            return
+        if not disk_trouble:
+            missing = {r: len(ids[r] - covered.get(r, frozenset())) for r in ids}
+            self.violations.append(f"{step}: record of {name} lost (IDs in no record: {missing})")
 
     def _check_trash(self, now: float) -> None:
         root = self.node.state_dir / "containers"
@@ -513,6 +567,8 @@ class Soak:
         else:
             self.violations.append(f"records left after every pod ended: {list(self._records())}")
         log = self.node.log()
+        if self.violations:
+            self.daemon_log = log
         if "Traceback" in log:
             at = log.index("Traceback")
             self.violations.append(f"traceback in the daemon log: {log[at : at + 1500]}")
@@ -563,10 +619,17 @@ class Soak:
                 "healthz_max_ms": round(max(health, default=0.0) * 1e3, 1),
                 "healthz_p50_ms": round(statistics.median(health) * 1e3, 1) if health else None,
             },
+            "split_containers": len(self.splits),
+            "split_examples": dict(list(self.splits.items())[:5]),
+            "trace": self.trace if self.violations else [],
             "violations": self.violations[:50],
             "violation_count": len(self.violations),
             "passed": not self.violations,
         }
+
+
+def _ids_of(record: dict[str, Any]) -> dict[str, frozenset[str]]:
+    return {r: frozenset(v) for r, v in (record.get("device_ids") or {}).items() if v}
 
 
 def main(argv: list[str]) -> int:
@@ -575,10 +638,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = parser.parse_args(argv)
-    report = Soak(args.minutes, args.seed).run()
+    soak = Soak(args.minutes, args.seed)
+    report = soak.run()
     text = json.dumps(report, indent=1)
     print(text)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
+        if soak.daemon_log:  # what the daemon said, next to the report
+            args.out.with_suffix(".daemon.log").write_text(soak.daemon_log)
     return 0 if report["passed"] else 1

@@ -48,7 +48,9 @@ def disk_node(make_node: NodeFactory) -> Iterator[tuple[SimNode, SmallDisk]]:
 
 def records(node: SimNode) -> set[str]:
     root = node.state_dir / "containers"
-    return {p.name for p in root.iterdir()} if root.exists() else set()
+    return (
+        {p.name for p in root.iterdir() if not p.name.startswith(".")} if root.exists() else set()
+    )
 
 
 def leftovers(node: SimNode) -> list[str]:
@@ -81,6 +83,8 @@ def test_full_disk(disk_node: tuple[SimNode, SmallDisk]) -> None:
     assert "is full" in (refused.error or "")
     assert records(node) == before  # the refused container left no directory
     assert leftovers(node) == []
+    trash = node.state_dir / "containers"
+    assert wait_until(lambda: not any(trash.glob(".trash-*")), 10)  # even on a full disk
     assert not capacity_problems(node)
 
     # Space again: the rebuilt record is written and admissions work, unaided.

@@ -113,3 +113,27 @@ def test_without_pod_information_the_next_pod_never_shares_a_directory(
         both = node.submit(node.pod(f"both{i}", {CORE: 20, MEM: 30}), order)
         assert_admitted_ok(both)
         assert both.container("main").envs["VGPU_MEMORY_LIMIT_MIB"] == str(30 * 256)
+
+
+@pytest.mark.timeout(60)
+def test_a_memory_only_pod_after_an_init_reuse_without_pod_information(
+    make_node: NodeFactory,
+) -> None:
+    # The soak's case: an app container reuses its init container's core IDs
+    # (Allocate without GetPreferredAllocation, no pod information: its own
+    # placement) and its memory ones (shared by fact); the next pod asks
+    # memory only. It must get a placement of its own, not the app's.
+    node = make_node(api=True, seed=2)
+    assert node.api is not None
+    node.api.set_down(True)
+    pod = node.pod("with-init", {"app": {CORE: 25, MEM: 60}}, init={"setup": {CORE: 25, MEM: 60}})
+    assert_admitted_ok(node.submit(pod, [CORE, MEM]))
+    node.api.set_down(False)  # the next pod is in the cache
+    assert wait_until(lambda: "pod cache synced" in node.log().split("with-init")[-1], 10)
+    mem = node.submit(node.pod("mem-only", {MEM: 40}))
+    assert_admitted_ok(mem)
+    got = mem.container("main")
+    record = config(got)
+    assert set(record["device_ids"]) == {"vcuda-memory"}, record
+    assert record["core_percent"] is None and record["memory_limit_mib"] == 40 * 256
+    assert not capacity_problems(node)

@@ -610,8 +610,9 @@ class Ledger:
         # the cache names no unplaced container asking exactly this, or names
         # one whose request for the resource already placed matches it (the
         # pod reached the cache between the two calls). Otherwise it is a new
-        # container and the in-flight one was stale.
-        if spec is None:
+        # container and the in-flight one was stale. Never when the daemon saw
+        # a new pod since the in-flight Allocate (blind_pairing False).
+        if spec is None or not blind_pairing:
             return blind_pairing
         return all(
             spec.request.units(r) == pending.request.units(r) for r in pending.allocated
@@ -697,7 +698,15 @@ class Ledger:
         self._check_ids(resource, device_ids, "devices_ids")
         ids = frozenset(DeviceId(d) for d in device_ids)
 
-        for key in reused:
+        pending = self._pending
+        completes = (  # this is the other resource of the container placed just before
+            pending is not None
+            and pending.key is not None
+            and resource not in pending.allocated
+            and (pending.expected is None or resource in pending.expected)
+            and (pending.expected is not None or blind_pairing)
+        )
+        for key in reused if not completes else ():
             held = self.placements.get(key)
             if held is not None and held.ids.get(resource) == ids:
                 return held
@@ -705,7 +714,6 @@ class Ledger:
         cards = tuple(
             sorted({parse_device_id(d)[0] for d in ids}, key=lambda c: self.cards[c].index)
         )
-        pending = self._pending
         joins = (
             pending is not None
             and resource not in pending.allocated
@@ -804,7 +812,12 @@ class Ledger:
         else:
             self._pending = _Pending(
                 cards=cards,
-                request=Request(),
+                # What it got, so that a pod spec matches it only if it asks that much.
+                request=(
+                    Request(core_percent=count)
+                    if resource is Resource.CORE
+                    else Request(memory_units=count)
+                ),
                 expected=None,
                 spec=None,
                 key=placement.key,
