@@ -493,6 +493,9 @@ class Soak:
         for uuid, mib in limits.items():
             if mib > CARD_MIB:
                 self.violations.append(f"{step}: memory limits on {uuid} sum to {mib} MiB")
+        # A key seen orphaned once and gone since starts afresh if it comes back
+        # (the same device IDs give the same key).
+        self.orphans = {k: t for k, t in self.orphans.items() if k in records}
         for key, data in records.items():
             mine = {r: frozenset(v) for r, v in (data.get("device_ids") or {}).items() if v}
             shared = any(
