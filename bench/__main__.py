@@ -1,4 +1,7 @@
-"""``python -m bench [--quick] [--out FILE] [--only SECTION ...]``: run, print, write JSON."""
+"""``python -m bench [--quick] [--out FILE] [--only SECTION ...]``: run, print, write JSON.
+
+``python -m bench soak [--minutes 30]``: the soak (bench/soak.py).
+"""
 
 from __future__ import annotations
 
@@ -220,6 +223,11 @@ def render(results: Json) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["soak"]:  # python -m bench soak [--minutes N]: see bench/soak.py
+        from bench import soak
+
+        return soak.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small counts (CI, under a minute)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON file ({DEFAULT_OUT})")

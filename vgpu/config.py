@@ -48,6 +48,7 @@ class Settings:
     policy: Policy = Policy.BINPACK
     ignored_xids: tuple[int, ...] = tuple(sorted(DEFAULT_IGNORED_XIDS))
     metrics_address: str | None = None
+    metrics_container_names: bool = False
     log_format: str = "text"
     log_level: str = "info"
     hook_library: Path | None = None
@@ -100,6 +101,10 @@ KEYS: dict[str, str] = {
     "policy": "card choice for fractional slices: binpack (fullest card that fits) or spread",
     "ignored_xids": "XIDs that do not mark a card unhealthy (application-level errors)",
     "metrics_address": "HOST:PORT for Prometheus /metrics and /healthz; unset: off",
+    "metrics_container_names": (
+        "label per-container series with namespace/pod/container instead of the placement "
+        "key (only where the metrics endpoint is protected)"
+    ),
     "log_format": "text or json",
     "log_level": "debug, info, warning or error",
     "hook_library": "the enforcement library (libvgpu.so) to install; unset: no enforcement",
@@ -232,6 +237,8 @@ def _convert(key: str, value: Any, source: str) -> Any:
         return str(value)
     if key == "node_name":
         return str(value)
+    if key == "metrics_container_names":
+        return _bool(value, bad)
     raise ConfigError(f"{source}: unknown key {key!r}")  # pragma: no cover - guarded by KEYS
 
 
@@ -245,6 +252,17 @@ def _int(value: Any, low: int, high: int, bad: Any) -> int:
     if not low <= number <= high:
         raise bad(f"a whole number from {low} to {high}")
     return number
+
+
+def _bool(value: Any, bad: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "1", "on"):
+        return True
+    if text in ("false", "no", "0", "off"):
+        return False
+    raise bad("true or false")
 
 
 def _float(value: Any, low: float, high: float, bad: Any) -> float:

@@ -7,8 +7,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.core.helpers import UNIT, Kubelet, cards, spec
-from vgpu.core.errors import InsufficientCapacity, InvalidRequest, PlacementConflict, UnknownDevice
-from vgpu.core.model import Policy, Resource
+from vgpu.core.errors import (
+    InsufficientCapacity,
+    InvalidRequest,
+    PlacementConflict,
+    UnknownCard,
+    UnknownDevice,
+)
+from vgpu.core.model import CardUuid, Policy, Resource
 from vgpu.core.packing import Ledger
 from vgpu.core.slicing import format_device_id
 
@@ -190,12 +196,29 @@ def test_memory_on_other_card_than_core_is_a_conflict() -> None:
         led.allocate(MEM, [format_device_id(b, MEM, i) for i in range(4)], [c])
 
 
-def test_allocate_replays_the_same_answer() -> None:
+def test_held_ids_reused_by_the_same_pod_share_its_placement() -> None:
     led = ledger(1)
     k = Kubelet(led)
     p = k.admit(spec(30, 40))
-    again = led.allocate(CORE, sorted(p.ids[CORE]))
+    again = led.allocate(CORE, sorted(p.ids[CORE]), reused=[p.key])
     assert again == p
+
+
+def test_held_ids_not_proven_reused_get_a_placement_of_their_own() -> None:
+    # The kubelet calls Allocate once per container: held IDs arriving again
+    # belong to a new container, which must never get the holder's limits.
+    led = ledger(1)
+    k = Kubelet(led)
+    p = k.admit(spec(30, 400))
+    fresh = led.allocate(CORE, sorted(p.ids[CORE]))
+    assert fresh.key != p.key
+    assert fresh.owner is None and fresh.memory_mib == 0
+    assert led.placements[p.key] == p  # the holder is kept, untouched
+    # Its memory joins the new container, not the old one.
+    mem = [d for d in k.available(MEM)][:4]
+    joined = led.allocate(MEM, mem)
+    assert joined.key == fresh.key and joined.memory_mib == 4 * UNIT
+    assert led.usage(p.cards[0]).core_used == 30  # shared IDs are counted once
 
 
 def test_memory_on_a_card_held_whole_is_refused() -> None:
@@ -234,7 +257,17 @@ def test_init_container_ids_reused_by_app_container() -> None:
     # The app container reuses the init container's IDs (must_include covers all).
     ids, _ = led.preferred(CORE, [], sorted(init.ids[CORE]), 30)
     assert set(ids) == init.ids[CORE]
-    assert led.allocate(CORE, ids) == init
+    assert led.allocate(CORE, ids, reused=[init.key]) == init
+
+
+def test_ids_of_a_card_that_disappeared_name_the_card() -> None:
+    led = ledger(2)
+    gone = led.cards[next(iter(led.cards))]
+    led.set_cards([c for c in led.cards.values() if c.uuid != gone.uuid])
+    with pytest.raises(UnknownCard, match=f"card {gone.uuid} .index 0., which is no longer"):
+        led.allocate(CORE, [format_device_id(gone.uuid, CORE, 0)])
+    with pytest.raises(UnknownDevice, match="never advertised"):
+        led.allocate(CORE, [format_device_id(CardUuid("GPU-never-seen"), CORE, 0)])
 
 
 # ------------------------------------------------------------ properties
@@ -349,3 +382,14 @@ def test_the_kubelet_can_name_the_in_flight_container() -> None:
     mem, _ = led.preferred(MEM, k.available(MEM), [], 20, [owner])
     placement = led.allocate(MEM, mem, [owner])
     assert len(placement.cards) == 1 and placement.owner == owner.owner()
+
+
+def test_reconcile_releases_a_stale_in_flight_placement() -> None:
+    # Placed without pod information and its pod deleted before the kubelet
+    # listed it: kept while its other resource may come, then released.
+    led = ledger(1)
+    card = next(iter(led.cards))
+    p = led.allocate(CORE, [format_device_id(card, CORE, i) for i in range(5)], now_s=0)
+    assert led.reconcile(frozenset(), now_s=10) == []
+    assert [r.key for r in led.reconcile(frozenset(), now_s=40)] == [p.key]
+    assert led.blind_pending_key() is None

@@ -127,7 +127,8 @@ def test_a_whole_card_assignment_to_a_card_in_use_is_refused_for_a_recheck() -> 
 @pytest.mark.parametrize("memory_first", [False, True], ids=["core-first", "memory-first"])
 def test_a_reused_resource_completes_its_container(memory_first: bool) -> None:
     """An app container whose memory is its init container's IDs (no
-    GetPreferredAllocation for it) must not leave the next pod's call to join it."""
+    GetPreferredAllocation for it; the daemon establishes the reuse from the
+    kubelet's record) must not leave the next pod's call to join it."""
     led = Ledger(cards(2), memory_unit_mib=UNIT)
     k = Kubelet(led)
     uid = "pod-with-init"
@@ -144,11 +145,14 @@ def test_a_reused_resource_completes_its_container(memory_first: bool) -> None:
         k.held |= set(ids)
 
     if memory_first:
-        assert led.allocate(MEM, reused_mem, both) == led.placements[first.key]
+        assert led.allocate(MEM, reused_mem, both, reused=[first.key]) == led.placements[first.key]
         core_call()
     else:
         core_call()
-        assert led.allocate(MEM, reused_mem, both) == led.placements[first.key]
+        # The reused memory completes main's own placement: its core and that memory.
+        done = led.allocate(MEM, reused_mem, both, reused=[first.key])
+        assert done.owner is not None and done.owner.container == "main"
+        assert done.ids[MEM] == frozenset(reused_mem) and done.core_percent == 40
     # The next pod asks the same memory first: it is a new container, steered to its card.
     other = assigned(spec(10, 20), 1)
     placed = k.admit(other, [MEM, CORE], candidates=[other])

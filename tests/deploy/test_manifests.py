@@ -86,6 +86,7 @@ def test_deploy_holds_the_expected_objects() -> None:
             "ClusterRoleBinding",
             "ConfigMap",
             "DaemonSet",
+            "NetworkPolicy",
         ]
     )
 
@@ -191,6 +192,24 @@ def test_configmap_paths_are_mounted(container: dict[str, Any]) -> None:
     for key in ("device_plugin_dir", "pod_resources_socket", "state_dir", "hook_dir"):
         path = Path(settings[key])
         assert any(path == m or m in path.parents for m in mounts), f"{key}={path} not mounted"
+
+
+def test_only_labelled_namespaces_reach_the_metrics_port(
+    daemonset: dict[str, Any], container: dict[str, Any]
+) -> None:
+    policy = _only("NetworkPolicy")
+    pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"vendor.io/vgpu-metrics": "allow"}}}
+    ]
+    (port,) = container["ports"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": port["name"]}]
+    # Per-tenant names stay off the unauthenticated endpoint.
+    assert not yaml.safe_load(_config_text()).get("metrics_container_names", False)
 
 
 def test_metrics_port_matches_the_config(container: dict[str, Any]) -> None:

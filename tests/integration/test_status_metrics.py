@@ -25,7 +25,16 @@ def _free_port() -> int:
 @pytest.fixture
 def metrics_node() -> Iterator[tuple[SimNode, str]]:
     port = _free_port()
-    node = SimNode(daemon_args=["--metrics-address", f"127.0.0.1:{port}", "--log-format", "json"])
+    node = SimNode(
+        daemon_args=[
+            "--metrics-address",
+            f"127.0.0.1:{port}",
+            "--log-format",
+            "json",
+            "--metrics-container-names",
+            "true",
+        ]
+    )
     node.start()
     try:
         yield node, f"http://127.0.0.1:{port}"

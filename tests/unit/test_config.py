@@ -99,6 +99,7 @@ def test_unrelated_environment_is_ignored() -> None:
         ("resource_domain", "Not A Domain", "DNS domain"),
         ("metrics_address", "9400", "HOST:PORT"),
         ("metrics_address", "0.0.0.0:70000", "HOST:PORT"),
+        ("metrics_container_names", "maybe", "true or false"),
         ("ignored_xids", "13,x", "whole number"),
         ("state_dir", "", "cannot be empty"),
         ("context_overhead_mib", "-1", "0 to 65536"),

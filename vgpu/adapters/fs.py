@@ -14,14 +14,16 @@ saved Allocate answer, which points here, without calling Allocate again):
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import itertools
 import json
 import logging
 import os
-import shutil
 import stat
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,14 +125,20 @@ class ContainerStore:
     def __init__(self, state_dir: Path, memory_unit_mib: int) -> None:
         self.root = state_dir / "containers"
         self.memory_unit_mib = memory_unit_mib
+        self.sweeper = TrashSweeper(self.root)
 
     def paths(self, key: str) -> ContainerPaths:
         config_dir = self.root / key
         return ContainerPaths(config_dir, config_dir / "config.json", config_dir / "shared")
 
     def prepare(self) -> None:
+        """Create the records directory and start removing leftovers in the background.
+
+        Nothing here waits on the trash: a tree of millions of files left by a
+        tenant must not hold start-up past the startup probe.
+        """
         self.root.mkdir(parents=True, exist_ok=True)
-        self.sweep_trash()
+        self.sweeper.start()
 
     def write(self, placement: Placement) -> ContainerPaths:
         paths = self.paths(placement.key)
@@ -144,33 +152,33 @@ class ContainerStore:
         atomic_write(paths.config_file, body)
         return paths
 
-    def remove(self, key: str) -> None:
-        shutil.rmtree(self.paths(key).config_dir, ignore_errors=True)
-
-    def discard(self, key: str) -> None:
+    def discard(self, key: str) -> OSError | None:
         """Move a record out of the way at once; the files go in the background.
 
         The rename is one syscall, so it can run on the admission path; a dot
-        name is never a record key, and leftovers are swept at start-up.
+        name is never a record key, and the sweeper removes it (and any
+        leftover of an earlier run) without following links or recursing.
+        Returns the error when the directory is still in place (e.g. a
+        read-only disk); it is tried again at the next reconcile.
         """
         source = self.paths(key).config_dir
-        trash = self.root / f".trash-{key}-{uuid.uuid4().hex[:8]}"
+        trash = self.root / f"{TRASH_PREFIX}{key}-{uuid.uuid4().hex[:8]}"
         try:
             os.rename(source, trash)
         except FileNotFoundError:
-            return
-        except OSError:
-            self.remove(key)
-            return
-        threading.Thread(
-            target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, daemon=True
-        ).start()
+            return None
+        except OSError as exc:
+            log.warning(
+                "cannot move %s out of the way (%s); it stays until the disk allows it",
+                source,
+                os.strerror(exc.errno or 0),
+            )
+            return exc
+        self.sweeper.wake()
+        return None
 
-    def sweep_trash(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            for entry in self.root.iterdir():
-                if entry.name.startswith(".trash-"):
-                    shutil.rmtree(entry, ignore_errors=True)
+    def close(self) -> None:
+        self.sweeper.stop()
 
     def record_keys(self) -> list[str]:
         try:
@@ -197,6 +205,292 @@ class ContainerStore:
                 )
                 bad.append(key)
         return good, bad
+
+
+TRASH_PREFIX = ".trash-"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What one bounded pass of remove_tree did."""
+
+    done: bool  # the tree is gone
+    removed: int  # entries unlinked or rmdir'ed in this pass
+    stuck: int  # entries that could not be removed (permissions, immutable files)
+    error: str = ""  # the first such error, for the log
+
+
+_fresh = itertools.count()
+
+
+def remove_tree(path: Path, deadline_s: float | None = None) -> Removal:
+    """Remove a tenant-written tree: iterative, never follows a link, bounded in time.
+
+    Every directory is opened with O_NOFOLLOW | O_DIRECTORY relative to its
+    parent's descriptor and every entry is removed with unlinkat/rmdir on that
+    descriptor, so a symlink (or one swapped in during the walk) is removed,
+    never followed. There is no recursion and no descriptor per level: the
+    sub-directories of each directory are renamed up into the tree's root and
+    handled there, so a 100,000-level tree costs two descriptors and constant
+    memory. With `deadline_s` (time.monotonic()), the pass stops there and
+    reports done=False; the next pass resumes from what is left on disk.
+    """
+    try:
+        parent_fd = os.open(path.parent, _DIR_FLAGS)
+    except FileNotFoundError:
+        return Removal(True, 0, 0)
+    except OSError as exc:
+        return Removal(False, 0, 1, f"{path.parent}: {os.strerror(exc.errno or 0)}")
+    try:
+        return _remove_in(parent_fd, path.name, deadline_s)
+    finally:
+        os.close(parent_fd)
+
+
+def _remove_in(parent_fd: int, name: str, deadline_s: float | None) -> Removal:
+    try:
+        root_fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return Removal(True, 0, 0)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            return Removal(False, 0, 1, f"{name}: {os.strerror(exc.errno or 0)}")
+        try:  # a file, a link, a FIFO: remove the name itself
+            os.unlink(name, dir_fd=parent_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            return Removal(False, 0, 1, f"{name}: {os.strerror(err.errno or 0)}")
+        return Removal(True, 1, 0)
+    walk = _Walk(root_fd, deadline_s)
+    try:
+        while True:
+            progress = walk.removed
+            walk.stuck, walk.error = 0, ""
+            if not walk.pass_over_root():
+                return Removal(False, walk.removed, walk.stuck, walk.error)
+            try:
+                os.rmdir(name, dir_fd=parent_fd)
+                return Removal(True, walk.removed + 1, 0)
+            except FileNotFoundError:
+                return Removal(True, walk.removed, 0)
+            except OSError as exc:
+                if exc.errno != errno.ENOTEMPTY or walk.removed == progress:
+                    # No progress in a whole pass: what is left cannot be removed.
+                    return Removal(
+                        False,
+                        walk.removed,
+                        max(walk.stuck, 1),
+                        walk.error or f"{name}: {os.strerror(exc.errno or 0)}",
+                    )
+    finally:
+        os.close(root_fd)
+
+
+class _Walk:
+    """One tree being flattened into its root directory and removed."""
+
+    def __init__(self, root_fd: int, deadline_s: float | None) -> None:
+        self.root_fd = root_fd
+        self.deadline_s = deadline_s
+        self.removed = 0
+        self.stuck = 0
+        self.error = ""
+        self._ticks = 0
+
+    def _past_deadline(self) -> bool:
+        return self.deadline_s is not None and time.monotonic() >= self.deadline_s
+
+    def _late(self) -> bool:
+        """The deadline check, every 64 entries (a clock read costs more than an unlink)."""
+        self._ticks += 1
+        return self._ticks % 64 == 0 and self._past_deadline()
+
+    def _fail(self, what: str, exc: OSError) -> None:
+        self.stuck += 1
+        if not self.error:
+            self.error = f"{what}: {os.strerror(exc.errno or 0)}"
+
+    def pass_over_root(self) -> bool:
+        """Empty and remove every directory now in the root; False when out of time."""
+        for entry in _entries(self.root_fd):
+            if self._late():
+                return False
+            if _is_dir(entry):
+                if not self._empty(entry.name) and self._past_deadline():
+                    return False
+            else:
+                self._unlink(self.root_fd, entry.name)
+        return True
+
+    def _unlink(self, dir_fd: int, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+            self.removed += 1
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            pass  # swapped for a directory meanwhile: the next pass sees it
+        except OSError as exc:
+            self._fail(name, exc)
+
+    def _empty(self, name: str) -> bool:
+        """Move the directory's sub-directories up to the root, unlink the rest,
+        then remove it. True when it is gone."""
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=self.root_fd)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+                self._unlink(self.root_fd, name)  # swapped for a link or a file
+                return True
+            self._fail(name, exc)
+            return False
+        try:
+            for entry in _entries(fd):
+                if self._late():
+                    return False
+                if _is_dir(entry):
+                    self._lift(fd, entry.name)
+                else:
+                    self._unlink(fd, entry.name)
+        finally:
+            os.close(fd)
+        try:
+            os.rmdir(name, dir_fd=self.root_fd)
+            self.removed += 1
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno != errno.ENOTEMPTY:
+                self._fail(name, exc)
+            return False
+
+    def _lift(self, dir_fd: int, name: str) -> None:
+        for _ in range(8):
+            target = f".rm{os.getpid()}-{next(_fresh)}"
+            try:
+                os.rename(name, target, src_dir_fd=dir_fd, dst_dir_fd=self.root_fd)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    continue  # a leftover of an earlier run has that name
+                self._fail(name, exc)
+                return
+
+
+def _entries(dir_fd: int) -> list[os.DirEntry[str]]:
+    """Up to 4096 entries of a directory (the rest comes in the next pass), so a
+    directory of millions of names never sits in memory at once."""
+    out: list[os.DirEntry[str]] = []
+    try:
+        with os.scandir(dir_fd) as it:
+            for entry in it:
+                out.append(entry)
+                if len(out) >= 4096:
+                    break
+    except OSError:
+        pass
+    return out
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+class TrashSweeper:
+    """Removes `.trash-*` directories under a records root in the background.
+
+    Works in passes of at most PASS_S, pausing PAUSE_S between them so that
+    admissions keep their share of the CPU; a directory that cannot be removed
+    (permissions, immutable files) is retried after RETRY_S and at every
+    start. Nothing it finds can end the thread or the daemon.
+    """
+
+    PASS_S = 0.5
+    PAUSE_S = 0.05
+    RETRY_S = 600.0
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stuck: dict[str, float] = {}  # name -> monotonic time of the next retry
+        self.removed = 0
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="trash-sweeper", daemon=True)
+            self._thread.start()
+        self.wake()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def pending(self) -> list[str]:
+        """Names of trash directories still on disk."""
+        try:
+            with os.scandir(self.root) as it:
+                return sorted(e.name for e in it if e.name.startswith(TRASH_PREFIX))
+        except OSError:
+            return []
+
+    def stuck(self) -> list[str]:
+        return sorted(self._stuck)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(60.0)
+            self._wake.clear()
+            try:
+                while not self._stop.is_set() and self.sweep_once():
+                    self._stop.wait(self.PAUSE_S)
+            except Exception:  # never let a surprise end the sweeper
+                log.exception("removing old records failed; retrying later")
+                self._stop.wait(1.0)
+
+    def sweep_once(self) -> bool:
+        """One bounded pass over the trash; True when more work is left now."""
+        deadline = time.monotonic() + self.PASS_S
+        now = time.monotonic()
+        more = False
+        for name in self.pending():
+            if self._stuck.get(name, 0.0) > now:
+                continue
+            if time.monotonic() >= deadline:
+                return True
+            result = remove_tree(self.root / name, deadline)
+            self.removed += result.removed
+            if result.done:
+                self._stuck.pop(name, None)
+            elif result.stuck:
+                if name not in self._stuck:
+                    log.warning(
+                        "cannot remove %s: %d entr%s left (%s); retrying every %d s; "
+                        "remove it by hand if it stays",
+                        self.root / name,
+                        result.stuck,
+                        "y" if result.stuck == 1 else "ies",
+                        result.error,
+                        int(self.RETRY_S),
+                    )
+                self._stuck[name] = time.monotonic() + self.RETRY_S
+            else:
+                more = True  # out of time for this pass
+        return more
 
 
 def install_hook(library: Path, hook_dir: Path, version: str) -> Path:

@@ -8,6 +8,7 @@ except `candidates()`, which reads the in-memory cache.
 
 from __future__ import annotations
 
+import decimal
 import json
 import logging
 import queue
@@ -94,11 +95,26 @@ class NoPods:
         return None
 
 
-def _quantity(value: Any) -> int:
+def parse_units(value: Any) -> tuple[int, str]:
+    """An extended-resource quantity as the kubelet counts it, and what is wrong with it.
+
+    Parsed by the kubernetes client's own quantity parser, exactly as the API
+    server writes quantities ("1k" for 1000, "1Ki", "1e3"). Returns the units
+    the kubelet asks for (its Value(): rounded up) and "" when the value is a
+    non-negative whole number, else the problem ("not a whole number", ...).
+    """
+    from kubernetes.utils.quantity import parse_quantity
+
     try:
-        return int(str(value))
-    except ValueError:
-        return 0
+        number = parse_quantity(value)
+    except (ValueError, TypeError, ArithmeticError) as exc:
+        return 0, f"is not a Kubernetes quantity ({exc})"
+    if number < 0:
+        return 0, "is negative"
+    units = int(number.to_integral_value(rounding=decimal.ROUND_CEILING))
+    if number != units:
+        return units, "is not a whole number (extended resources are integers)"
+    return units, ""
 
 
 def container_specs(pod: dict[str, Any], domain: str) -> list[ContainerSpec]:
@@ -124,9 +140,19 @@ def container_specs(pod: dict[str, Any], domain: str) -> list[ContainerSpec]:
             order += 1
             resources = container.get("resources") or {}
             limits = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
-            request = Request(
-                _quantity(limits.get(core_name, 0)), _quantity(limits.get(mem_name, 0))
-            )
+            name = str(container.get("name", ""))
+            units: dict[str, int] = {}
+            problems = []
+            for resource_name in (core_name, mem_name):
+                raw = limits.get(resource_name, 0)
+                units[resource_name], problem = parse_units(raw)
+                if problem:
+                    problems.append(
+                        f"container {meta.get('namespace', 'default')}/{meta.get('name', '')}/"
+                        f"{name} asks {resource_name}={raw!r}, which {problem}: write a whole "
+                        f"number, e.g. '{resource_name}: {max(1, units[resource_name])}'"
+                    )
+            request = Request(units[core_name], units[mem_name])
             if not request.resources:
                 continue
             out.append(
@@ -134,12 +160,13 @@ def container_specs(pod: dict[str, Any], domain: str) -> list[ContainerSpec]:
                     pod_uid=str(meta.get("uid", "")),
                     namespace=str(meta.get("namespace", "default")),
                     pod=str(meta.get("name", "")),
-                    container=str(container.get("name", "")),
+                    container=name,
                     request=request,
                     created_s=created_s,
                     init=init,
                     order=order,
                     assigned=assigned.get(str(container.get("name", ""))),
+                    problem="; ".join(problems),
                 )
             )
     return out

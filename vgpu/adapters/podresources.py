@@ -11,6 +11,8 @@ from pathlib import Path
 
 import grpc
 
+from vgpu.core.model import DeviceId
+from vgpu.core.reuse import KubeletListing
 from vgpu.pb import podresources_v1_pb2 as pr
 from vgpu.pb import podresources_v1_pb2_grpc as pr_grpc
 
@@ -26,6 +28,24 @@ class ContainerDevices:
 
 class PodResourcesUnavailable(Exception):
     pass
+
+
+def _devices(reply: pr.ListPodResourcesResponse, resources: set[str]) -> list[ContainerDevices]:
+    out = []
+    for pod in reply.pod_resources:
+        for container in pod.containers:
+            for devices in container.devices:
+                if devices.resource_name in resources:
+                    out.append(
+                        ContainerDevices(
+                            pod.namespace,
+                            pod.name,
+                            container.name,
+                            devices.resource_name,
+                            tuple(devices.device_ids),
+                        )
+                    )
+    return out
 
 
 class PodResourcesClient:
@@ -45,30 +65,37 @@ class PodResourcesClient:
     def available(self) -> bool:
         return self.socket_path.exists()
 
-    def list(self, resources: set[str]) -> list[ContainerDevices]:
-        """Every live container's IDs of the given resources."""
+    def _list(self) -> pr.ListPodResourcesResponse:
         if not self.available():
             raise PodResourcesUnavailable(f"{self.socket_path} does not exist")
         try:
-            reply = self._stub().List(pr.ListPodResourcesRequest(), timeout=self.timeout_s)
+            reply: pr.ListPodResourcesResponse = self._stub().List(
+                pr.ListPodResourcesRequest(), timeout=self.timeout_s
+            )
         except grpc.RpcError as exc:
             self.close()
             raise PodResourcesUnavailable(f"List failed: {exc.code().name}") from exc
-        out = []
-        for pod in reply.pod_resources:
-            for container in pod.containers:
-                for devices in container.devices:
-                    if devices.resource_name in resources:
-                        out.append(
-                            ContainerDevices(
-                                pod.namespace,
-                                pod.name,
-                                container.name,
-                                devices.resource_name,
-                                tuple(devices.device_ids),
-                            )
-                        )
-        return out
+        except ValueError as exc:  # the channel was closed by another thread's failure
+            raise PodResourcesUnavailable(f"List failed: {exc}") from exc
+        return reply
+
+    def snapshot(self, resources: set[str]) -> KubeletListing:
+        """Every active pod with its app containers, and who holds which of our IDs."""
+        reply = self._list()
+        pods = {
+            (pod.namespace, pod.name): frozenset(c.name for c in pod.containers)
+            for pod in reply.pod_resources
+        }
+        held = {
+            DeviceId(device_id): (item.namespace, item.pod, item.container)
+            for item in _devices(reply, resources)
+            for device_id in item.device_ids
+        }
+        return KubeletListing(pods, held)
+
+    def list(self, resources: set[str]) -> list[ContainerDevices]:
+        """Every live container's IDs of the given resources."""
+        return _devices(self._list(), resources)
 
     def close(self) -> None:
         if self._channel is not None:

@@ -25,6 +25,10 @@ SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--policy", {"choices": ["binpack", "spread"], "help": "card choice (default binpack)"}),
     ("--ignored-xids", {"metavar": "LIST", "help": "comma-separated XIDs that are ignored"}),
     ("--metrics-address", {"metavar": "HOST:PORT", "help": "serve /metrics and /healthz"}),
+    (
+        "--metrics-container-names",
+        {"choices": ["true", "false"], "help": "tenant names in metrics (default false)"},
+    ),
     ("--log-format", {"choices": ["text", "json"], "help": "log format (default text)"}),
     ("--log-level", {"choices": ["debug", "info", "warning", "error"]}),
     ("--hook-library", {"metavar": "FILE", "help": "libvgpu.so to install and preload"}),

@@ -126,6 +126,9 @@ class ContainerSpec:
     # The card(s) the scheduler extender assigned to this container on this
     # node (the pod's vgpu-assignment annotation); None: the node chooses.
     assigned: tuple[CardUuid, ...] | None = None
+    # Why the pod spec cannot be honoured (e.g. a non-integer quantity), naming
+    # the container and resource; the admission is refused with it. "" = fine.
+    problem: str = ""
 
     @property
     def ident(self) -> tuple[str, str]:

@@ -34,6 +34,7 @@ from vgpu.core.errors import (
     InsufficientCapacity,
     InvalidRequest,
     PlacementConflict,
+    UnknownCard,
     UnknownDevice,
 )
 from vgpu.core.fit import CardUsage, NoRoom
@@ -102,6 +103,7 @@ class Ledger:
         self.policy = policy
         self.domain = domain
         self.cards: dict[CardUuid, Card] = {}
+        self._seen: dict[CardUuid, Card] = {}  # every card this node ever had
         self._index: dict[str, tuple[CardUuid, Resource, int]] = {}
         self.placements: dict[str, Placement] = {}
         self._holders: dict[DeviceId, set[str]] = {}
@@ -121,6 +123,7 @@ class Ledger:
     def set_cards(self, cards: Iterable[Card]) -> None:
         """Replace the card list (health changes, a card gone). Placements stay."""
         self.cards = {c.uuid: c for c in cards}
+        self._seen.update(self.cards)
         self._index = {
             device_id: (card.uuid, resource, i)
             for card in self.cards.values()
@@ -188,6 +191,17 @@ class Ledger:
         self._settled.discard(key)
         return placement
 
+    def is_settled(self, key: str) -> bool:
+        """Has the kubelet listed this placement (or did an earlier run record it)?"""
+        return key in self._settled
+
+    def holders_among(self, ids: Iterable[str]) -> list[str]:
+        """Keys of the placements holding any of these IDs, oldest first."""
+        keys: set[str] = set()
+        for device_id in ids:
+            keys |= self._holders.get(DeviceId(device_id), set())
+        return sorted(keys, key=lambda k: (self.placements[k].created_s, k))
+
     def mark_settled(self, keys: Iterable[str]) -> None:
         """These placements are known to the kubelet (e.g. recovered at start-up:
         every Allocate of an earlier run has either reached the kubelet or failed)."""
@@ -216,8 +230,9 @@ class Ledger:
 
         `live_ids` are every device ID of ours that the kubelet's pod-resources
         API lists for an active container; `gone_pods` are UIDs of pods the API
-        server says are deleted or finished. The one being admitted is kept. A
-        placement the kubelet has not listed yet is kept for the grace period
+        server says are deleted or finished. The one being admitted is kept for
+        the grace period (its other resource may follow). A placement the
+        kubelet has not listed yet is kept for the grace period
         (the kubelet records an allocation only after our answer reached it),
         unless its pod is gone; one it listed before is released at once.
         """
@@ -226,13 +241,13 @@ class Ledger:
         gone = frozenset(gone_pods)
         pending_key = self._pending.key if self._pending else None
         for key, placement in list(self.placements.items()):
-            if key == pending_key:
-                continue
+            young = now_s - placement.created_s < RECONCILE_GRACE_S
+            if key == pending_key and young:
+                continue  # its other resource may still come
             if placement.all_ids() & live:
                 self._settled.add(key)
                 continue
             owner_gone = placement.owner is not None and placement.owner.pod_uid in gone
-            young = now_s - placement.created_s < RECONCILE_GRACE_S
             if young and key not in self._settled and not owner_gone:
                 continue
             self.release(key)
@@ -353,10 +368,14 @@ class Ledger:
         must_include: Sequence[str],
         size: int,
         candidates: Sequence[ContainerSpec] = (),
+        blind_pairing: bool = True,
     ) -> tuple[list[DeviceId], list[str]]:
         """Answer GetPreferredAllocation: exactly `size` IDs on the right card(s).
 
         Returns the IDs and the keys of placements found dead on the way.
+        `blind_pairing` False: the daemon found that this call may belong to
+        another pod than the in-flight container placed without pod
+        information, so it is not taken for that container's other resource.
         """
         self.check_preferred(resource, must_include, size)
         must = [DeviceId(d) for d in must_include]
@@ -372,7 +391,7 @@ class Ledger:
 
         spec = self._match(resource, size, candidates)
         pending = self._pending
-        if pending is not None and self._continues(pending, resource, size, spec):
+        if pending is not None and self._continues(pending, resource, size, spec, blind_pairing):
             ids = self._ids_on(pending.cards, avail, must, size)
             if len(ids) < size and pending.assigned is not None and pending.spec is not None:
                 raise self._refuse_assigned(
@@ -394,6 +413,8 @@ class Ledger:
         self._pending = None
         if spec is not None:
             request = spec.request
+            if spec.problem:
+                raise InvalidRequest(spec.problem)
             self.validate_request(request)
         else:
             request = (
@@ -519,6 +540,13 @@ class Ledger:
             if placement.owner is None:
                 self.placements[pending.key] = replace(placement, owner=spec.owner())
 
+    def blind_pending_key(self) -> str | None:
+        """The in-flight placement made without pod information, if any."""
+        pending = self._pending
+        if pending is None or pending.spec is not None:
+            return None
+        return pending.key
+
     def unattributed_pending(self) -> frozenset[DeviceId]:
         """IDs already allocated to an in-flight container we have no pod for."""
         pending = self._pending
@@ -564,7 +592,11 @@ class Ledger:
 
     @staticmethod
     def _continues(
-        pending: _Pending, resource: Resource, size: int, spec: ContainerSpec | None
+        pending: _Pending,
+        resource: Resource,
+        size: int,
+        spec: ContainerSpec | None,
+        blind_pairing: bool = True,
     ) -> bool:
         """Is this call the in-flight container's other resource?"""
         if resource in pending.allocated:
@@ -579,9 +611,10 @@ class Ledger:
         # the cache names no unplaced container asking exactly this, or names
         # one whose request for the resource already placed matches it (the
         # pod reached the cache between the two calls). Otherwise it is a new
-        # container and the in-flight one was stale.
-        if spec is None:
-            return True
+        # container and the in-flight one was stale. Never when the daemon saw
+        # a new pod since the in-flight Allocate (blind_pairing False).
+        if spec is None or not blind_pairing:
+            return blind_pairing
         return all(
             spec.request.units(r) == pending.request.units(r) for r in pending.allocated
         ) and bool(pending.allocated)
@@ -612,6 +645,20 @@ class Ledger:
                 unknown.append(raw)
             elif found[1] is not resource:
                 other.append(raw)
+        for raw in unknown:
+            try:
+                card = parse_device_id(raw)[0]
+            except UnknownDevice:
+                continue
+            gone = self._seen.get(card)
+            if gone is not None and card not in self.cards:
+                raise UnknownCard(
+                    f"{what} names card {card} (index {gone.index}), which is no longer on "
+                    "this node (it disappeared from the GPU backend); nothing is placed on it. "
+                    "The kubelet stops offering its IDs within a second; check the node's GPUs "
+                    "(nvidia-smi, dmesg for XIDs)",
+                    card,
+                )
         if unknown:
             raise UnknownDevice(
                 f"{what} has {len(unknown)} device ID(s) this node never advertised for "
@@ -632,8 +679,19 @@ class Ledger:
         device_ids: Sequence[str],
         candidates: Sequence[ContainerSpec] = (),
         now_s: float = 0.0,
+        reused: Collection[str] = (),
+        blind_pairing: bool = True,
     ) -> Placement:
-        """Answer Allocate: validate the IDs and record (or replay) the placement."""
+        """Answer Allocate: validate the IDs and record the new container's placement.
+
+        The kubelet calls Allocate once per container, so IDs a placement still
+        holds arrive here only for a new container. `reused` names the holders
+        the daemon established, from the kubelet's own record, to be init
+        containers of the same pod whose IDs this container reuses: exactly
+        their IDs get their placement back. The daemon releases holders it
+        found dead before calling; any other holder is kept untouched and this
+        container gets a placement (and a directory) of its own.
+        """
         if not device_ids:
             raise InvalidRequest(
                 f"Allocate for {resource.full_name(self.domain)} carried no device IDs"
@@ -641,21 +699,29 @@ class Ledger:
         self._check_ids(resource, device_ids, "devices_ids")
         ids = frozenset(DeviceId(d) for d in device_ids)
 
-        # The kubelet replays, or an app container reuses an init container's IDs.
-        for placement in self.placements.values():
-            if placement.ids.get(resource) == ids:
-                self._note_reuse(resource, placement)
-                return placement
+        pending = self._pending
+        completes = (  # this is the other resource of the container placed just before
+            pending is not None
+            and pending.key is not None
+            and resource not in pending.allocated
+            and (pending.expected is None or resource in pending.expected)
+            and (pending.expected is not None or blind_pairing)
+        )
+        for key in reused if not completes else ():
+            held = self.placements.get(key)
+            if held is not None and held.ids.get(resource) == ids:
+                self._note_reuse(resource, held)
+                return held
 
         cards = tuple(
             sorted({parse_device_id(d)[0] for d in ids}, key=lambda c: self.cards[c].index)
         )
-        pending = self._pending
         joins = (
             pending is not None
             and resource not in pending.allocated
             and (pending.expected is None or resource in pending.expected)
             and (resource in pending.steered or pending.key is not None)
+            and (pending.expected is not None or blind_pairing)
         )
         if pending is not None and joins and not set(cards) <= set(pending.cards):
             if pending.assigned is not None and pending.spec is not None:
@@ -700,7 +766,7 @@ class Ledger:
                 )
             for other in self.placements_on(card):
                 if other.key == own_key or other.ids.get(resource, frozenset()) & ids:
-                    continue  # our own pending placement, or a reuse of this pod's IDs
+                    continue  # our own pending placement, or a holder of these very IDs
                 if other.whole or (resource is Resource.CORE and count >= CORE_UNITS_PER_CARD):
                     raise PlacementConflict(
                         f"card {card} is held whole by another container "
@@ -711,6 +777,8 @@ class Ledger:
         if pending is None and resource is Resource.CORE and 0 < count < CORE_UNITS_PER_CARD:
             spec = self._match(resource, count, candidates)
             if spec is not None:
+                if spec.problem:
+                    raise InvalidRequest(spec.problem)
                 self.validate_request(spec.request)
 
         if pending is not None and pending.key is not None:
@@ -730,7 +798,7 @@ class Ledger:
             # pod spec when known, so both Allocate answers say the same.
             request = pending.request if pending is not None else Request()
             placement = Placement(
-                key=placement_key(ids),
+                key=self._fresh_key(ids),
                 cards=cards,
                 ids={resource: ids},
                 core_percent=0,
@@ -752,13 +820,28 @@ class Ledger:
         else:
             self._pending = _Pending(
                 cards=cards,
-                request=Request(),
+                # What it got, so that a pod spec matches it only if it asks that much.
+                request=(
+                    Request(core_percent=count)
+                    if resource is Resource.CORE
+                    else Request(memory_units=count)
+                ),
                 expected=None,
                 spec=None,
                 key=placement.key,
                 allocated={resource},
             )
         return placement
+
+    def _fresh_key(self, ids: frozenset[DeviceId]) -> str:
+        """The key of a new placement: from its IDs, made unique if a placement
+        the daemon could not prove dead still holds the same IDs."""
+        key = placement_key(ids)
+        n = 0
+        while key in self.placements:
+            n += 1
+            key = placement_key([*ids, DeviceId(f"#{n}")])
+        return key
 
     def _with_limits(self, placement: Placement, core: int, mem_units: int | None) -> Placement:
         """Core percent per card and per-card memory limit (none for whole cards)."""

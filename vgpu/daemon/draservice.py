@@ -329,7 +329,7 @@ class DraService:
             self.cdi.remove(record.cdi_file)
         for placement in record.placements:
             if placement.key not in kept:
-                self.store.remove(placement.key)
+                self.store.discard(placement.key)
 
     # -------------------------------------------------------- unprepare
 
@@ -375,7 +375,7 @@ class DraService:
             keys = {p.key for r in records for p in r.placements}
             for key in self.store.record_keys():
                 if key not in keys:
-                    self.store.remove(key)
+                    self.store.discard(key)
                     log.info("removed orphaned limit config %s", key)
             files = {r.cdi_file for r in records}
             for name in self.cdi.names():

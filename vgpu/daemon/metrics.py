@@ -2,21 +2,24 @@
 
 Per-card and per-container gauges are computed at scrape time from the
 ledger, so nothing is updated on the Allocate path but two counters and a
-histogram observation.
+histogram observation. The endpoint is unauthenticated, so per-container
+series carry the opaque placement key, not the tenant's namespace, pod and
+container names, unless `metrics_container_names` says the endpoint is
+protected. The server is bounded (vgpu.adapters.httpserver): no client can
+take the threads or descriptors the kubelet's calls need.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from vgpu.adapters.httpserver import BoundedHttpServer, HttpStats
 from vgpu.core.model import Resource
 
 if TYPE_CHECKING:
@@ -25,10 +28,12 @@ if TYPE_CHECKING:
 
 
 class LedgerCollector(Collector):
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon, container_names: bool, http: HttpStats) -> None:
         self.daemon = daemon
+        self.container_names = container_names
+        self.http = http
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         service = self.daemon.service
         unit = service.options.memory_unit_mib
         labels = ["uuid", "index", "model"]
@@ -50,20 +55,37 @@ class LedgerCollector(Collector):
             "Real compute utilisation of the card (NVML)",
             labels=labels,
         )
+        who = ["namespace", "pod", "container"] if self.container_names else ["key"]
         ccore = GaugeMetricFamily(
             "vgpu_container_core_limit_percent",
             "Core percent limit of a container's slice (100 for whole cards)",
-            labels=["namespace", "pod", "container", "uuid"],
+            labels=[*who, "uuid"],
         )
         cmem = GaugeMetricFamily(
             "vgpu_container_memory_limit_mib",
             "Per-card memory limit of a container's slice, MiB (0: no limit)",
-            labels=["namespace", "pod", "container", "uuid"],
+            labels=[*who, "uuid"],
+        )
+        writable = GaugeMetricFamily(
+            "vgpu_state_writable",
+            "1 when the state directory takes writes, 0 while it refuses them",
+            labels=["errno"],
+        )
+        unwritten = GaugeMetricFamily(
+            "vgpu_state_unwritten_records",
+            "Placements kept in memory only, waiting for the disk to take them",
+        )
+        dropped = CounterMetricFamily(
+            "vgpu_metrics_http_dropped_connections",
+            "Connections to this endpoint dropped to protect the daemon, by reason",
+            labels=["reason"],
         )
         with service._lock:
             usages = service.ledger.usages()
             placements = list(service.ledger.placements.values())
             real = dict(service.readings)
+            error = service.state_error
+            waiting = len(service._unwritten)
         for usage in usages:
             card = usage.card
             lv = [card.uuid, str(card.index), card.name]
@@ -78,20 +100,36 @@ class LedgerCollector(Collector):
                 util.add_metric(lv, reading.utilization_percent)
         for p in placements:
             owner = p.owner
-            names = [owner.namespace, owner.pod, owner.container] if owner else ["", p.key, ""]
+            if not self.container_names:
+                names = [p.key]
+            elif owner is not None:
+                names = [owner.namespace, owner.pod, owner.container]
+            else:
+                names = ["", p.key, ""]
             for uuid in p.cards:
                 ccore.add_metric([*names, uuid], p.core_percent)
                 cmem.add_metric([*names, uuid], p.memory_mib)
-        yield from (core, mem, total, health, used, util, ccore, cmem)
+        writable.add_metric([error.errno_name if error else ""], 0 if error else 1)
+        unwritten.add_metric([], waiting)
+        for reason, count in self.http.dropped.items():
+            dropped.add_metric([reason], count)
+        yield from (core, mem, total, health, used, util, ccore, cmem, writable, unwritten)
+        yield dropped
 
 
 class Metrics:
-    def __init__(self, daemon: Daemon | DraDaemon, collector: Collector | None = None) -> None:
+    def __init__(
+        self,
+        daemon: Daemon | DraDaemon,
+        collector: Collector | None = None,
+        container_names: bool = False,
+    ) -> None:
         """`collector` gives the gauges; the device plugin's ledger by default."""
         self.daemon = daemon
+        self.http = HttpStats()
         self.registry = CollectorRegistry()
         if collector is None:
-            collector = LedgerCollector(cast("Daemon", daemon))
+            collector = LedgerCollector(cast("Daemon", daemon), container_names, self.http)
         self.registry.register(collector)
         self.calls = Counter(
             "vgpu_calls",
@@ -112,7 +150,7 @@ class Metrics:
             ["kind"],
             registry=self.registry,
         )
-        self._server: ThreadingHTTPServer | None = None
+        self._server: BoundedHttpServer | None = None
 
     def call(self, method: str, resource: Resource, seconds: float, outcome: str) -> None:
         self.calls.labels(method, resource.value, outcome).inc()
@@ -124,37 +162,23 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def answer(self, path: str) -> tuple[int, str, bytes]:
+        if path == "/metrics":
+            return 200, CONTENT_TYPE_LATEST, self.render()
+        if path == "/healthz":
+            if self.daemon.stop.is_set():
+                return 503, "text/plain", b"stopping\n"
+            return 200, "text/plain", b"ok\n"
+        return 404, "text/plain", b"not found\n"
+
     def serve(self, address: str) -> None:
         host, _, port = address.rpartition(":")
-        metrics = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.split("?")[0] == "/metrics":
-                    body, ctype, code = metrics.render(), CONTENT_TYPE_LATEST, 200
-                elif self.path == "/healthz":
-                    ok = not metrics.daemon.stop.is_set()
-                    body, ctype, code = (
-                        (b"ok\n" if ok else b"stopping\n"),
-                        "text/plain",
-                        (200 if ok else 503),
-                    )
-                else:
-                    body, ctype, code = b"not found\n", "text/plain", 404
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-        self._server = ThreadingHTTPServer((host.strip("[]") or "0.0.0.0", int(port)), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True).start()
+        self._server = BoundedHttpServer(
+            host.strip("[]") or "0.0.0.0", int(port), self.answer, inline=("/healthz",)
+        )
+        self._server.stats = self.http
+        self._server.start()
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()

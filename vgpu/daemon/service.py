@@ -27,7 +27,7 @@ from vgpu.adapters.nodefile import node_document, write_node_file
 from vgpu.adapters.podresources import PodResourcesClient, PodResourcesUnavailable
 from vgpu.core.annotations import format_inventory, node_key, placements_key
 from vgpu.core.contract import container_edits
-from vgpu.core.errors import InsufficientCapacity
+from vgpu.core.errors import ApiUnavailable, InsufficientCapacity, StateUnwritable, state_error
 from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
 from vgpu.core.model import (
     CORE_UNITS_PER_CARD,
@@ -40,6 +40,7 @@ from vgpu.core.model import (
     Resource,
 )
 from vgpu.core.packing import Ledger, placement_key
+from vgpu.core.reuse import Holder, KubeletListing, judge_holder
 from vgpu.core.slicing import card_device_ids
 
 log = logging.getLogger("vgpu")
@@ -97,6 +98,16 @@ class PluginService:
         self._closed = False
         self.readings: dict[CardUuid, CardReading] = {}
         self._annotated: dict[tuple[str, str, str], float] = {}  # (ns, pod, value) -> queued
+        # State the disk would not take: kept in memory (the ledger) and written
+        # again by flush_unwritten() until the disk takes it.
+        self.state_error: StateUnwritable | None = None
+        self._unwritten: set[str] = set()
+        self._podres_error = ""
+        # Installs the hook library when start-up could not (e.g. a full disk).
+        self.hook_installer: Callable[[], Path] | None = None
+        # (key, pods the kubelet listed) at the Allocate of an in-flight
+        # container placed without pod information: see _blind_pairing().
+        self._blind_pods: tuple[str, frozenset[tuple[str, str]]] | None = None
 
     # ------------------------------------------------------------ cards
 
@@ -293,21 +304,28 @@ class PluginService:
         self, resource: Resource, req: PreferredRequest, deadline: float
     ) -> list[str]:
         candidates = self._candidates(resource, req.size, deadline)
+        blind = self._blind_pairing()
         for attempt in (1, 2):
             try:
                 with self._lock:
                     ids, released = self.ledger.preferred(
-                        resource, req.available, req.must_include, req.size, candidates
+                        resource, req.available, req.must_include, req.size, candidates, blind
                     )
                     for key in released:
                         self._forget(key, "the kubelet offers its IDs as free")
                 return list(ids)
-            except InsufficientCapacity:
+            except InsufficientCapacity as exc:
                 if attempt == 2:
                     raise  # counted by the gRPC edge (vgpu_calls_total outcome)
                 # Re-check with the kubelet first: a pod deleted a moment ago
                 # must not cause a wrongful refusal.
-                self.reconcile("re-check before refusing")
+                if self.reconcile("re-check before refusing") < 0 and self.podresources:
+                    raise ApiUnavailable(
+                        f"{exc.message} vgpu could not ask the kubelet whether a pod just "
+                        f"finished ({self._podres_error}), so slices freed a moment ago may "
+                        "still be counted: check that the kubelet runs and that its "
+                        f"pod-resources socket {self.podresources.socket_path} is mounted"
+                    ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _attribute_in_flight(self, candidates: list[Any]) -> None:
@@ -333,16 +351,30 @@ class PluginService:
 
     def allocate(self, resource: Resource, device_ids: Sequence[str]) -> AllocationAnswer:
         candidates = self.pods.candidates()
+        reused = self._judge_held(resource, device_ids)
+        blind = self._blind_pairing()
         with self._lock:
             known = self.ledger.placements.copy()
-            placement = self.ledger.allocate(resource, device_ids, candidates, now_s=self.clock())
+            placement = self.ledger.allocate(
+                resource,
+                device_ids,
+                candidates,
+                now_s=self.clock(),
+                reused=reused,
+                blind_pairing=blind,
+            )
             if known.get(placement.key) != placement:
                 try:
-                    self.store.write(placement)
-                except OSError:
+                    self._ensure_hook(placement)
+                    if placement.key not in known:
+                        self._clear_directory(placement.key)
+                    self._write(placement)
+                except StateUnwritable:
                     self.ledger.release(placement.key)
                     if placement.key in known:
                         self.ledger.restore(known[placement.key])
+                    else:
+                        self.store.discard(placement.key)  # nothing half-written stays
                     raise
                 log.info(
                     "placed %s on %s: core %d%%, memory %s (%s)",
@@ -354,8 +386,190 @@ class PluginService:
                 )
                 self.events("placement", {"key": placement.key, "resource": resource.value})
             answer = self.answer(placement)
+            # A container placed without pod information, at its first resource.
+            blind_key = self.ledger.blind_pending_key()
+            first = blind_key == placement.key and len(placement.ids) == 1
+        if blind_key is not None and first:
+            pods = self._listed_pods()
+            self._blind_pods = (blind_key, pods) if pods is not None else None
         self._schedule_owner_sync()
         return answer
+
+    def _listed_pods(self) -> frozenset[tuple[str, str]] | None:
+        if self.podresources is None:
+            return None
+        try:
+            listing = self.podresources.snapshot({self.resource_name(r) for r in Resource})
+        except PodResourcesUnavailable:
+            return None
+        return frozenset(listing.pods)
+
+    def _blind_pairing(self) -> bool:
+        """May this call be the other resource of the in-flight container placed
+        without pod information? Only if the kubelet lists no pod it did not list
+        at that container's Allocate: it admits one pod at a time and lists a pod
+        from the start of its admission, so a new pod means the call may be
+        another pod's, which must never be paired with (and given the
+        directory of) this one. Asks the pod-resources API only in this case."""
+        with self._lock:
+            key = self.ledger.blind_pending_key()
+        if key is None:
+            return True
+        seen = self._blind_pods
+        if seen is None or seen[0] != key:
+            return False
+        now = self._listed_pods()
+        return now is not None and now <= seen[1]
+
+    def _judge_held(self, resource: Resource, device_ids: Sequence[str]) -> frozenset[str]:
+        """IDs a placement still holds arrive for a new container: settle each holder
+        by fact (see vgpu.core.reuse) before placing. Dead ones are released and
+        their directories discarded; returns the init containers' placements this
+        container reuses. Asks the kubelet's pod-resources API only in this case."""
+        with self._lock:
+            holders = self.ledger.holders_among(device_ids)
+        if not holders:
+            return frozenset()
+        listing: KubeletListing | None = None
+        if self.podresources is not None:
+            try:
+                listing = self.podresources.snapshot({self.resource_name(r) for r in Resource})
+            except PodResourcesUnavailable as exc:
+                log.warning("pod-resources API unavailable (%s) while judging held IDs", exc)
+        reused: set[str] = set()
+        with self._lock:
+            gone = self._gone_pods()
+            for key in holders:
+                placement = self.ledger.placements.get(key)
+                if placement is None:
+                    continue
+                verdict, why = judge_holder(
+                    placement,
+                    settled=self.ledger.is_settled(key),
+                    listing=listing,
+                    pod_gone=placement.owner is not None and placement.owner.pod_uid in gone,
+                )
+                if verdict is Holder.REUSED:
+                    reused.add(key)
+                    log.info(
+                        "%s IDs of %s arrive again: %s; the new container shares it",
+                        self.resource_name(resource),
+                        key,
+                        why,
+                    )
+                elif verdict is Holder.DEAD:
+                    self.ledger.release(key)
+                    self._forget(key, f"its IDs arrive for a new container and {why}")
+                else:
+                    log.warning(
+                        "%s IDs of %s arrive for a new container and %s; keeping it, the new "
+                        "container gets a placement of its own",
+                        self.resource_name(resource),
+                        key,
+                        why,
+                    )
+        return frozenset(reused)
+
+    def _clear_directory(self, key: str) -> None:
+        """A new placement starts from an empty directory: whatever a released
+        placement left under the same key is moved away first."""
+        failed = self.store.discard(key)
+        if failed is not None:
+            path = self.store.paths(key).config_dir
+            error = state_error(
+                failed.errno,
+                str(path),
+                "move an old directory out of the way",
+                failed.strerror or "",
+            )
+            self._note_state(error)
+            raise error from failed
+
+    def _write(self, placement: Placement) -> None:
+        """Write a placement's record; a named StateUnwritable when the disk refuses."""
+        try:
+            self.store.write(placement)
+        except OSError as exc:
+            error = state_error(
+                exc.errno,
+                str(exc.filename or self.store.paths(placement.key).config_dir),
+                f"write the config of {placement.key}",
+                exc.strerror or "",
+            )
+            self._note_state(error)
+            raise error from exc
+        self._unwritten.discard(placement.key)
+        if not self._unwritten:
+            self._note_state(None)
+
+    def _write_or_defer(self, placement: Placement) -> None:
+        """Off the admission path: keep the state in memory when the disk refuses,
+        and write it again later (flush_unwritten)."""
+        try:
+            self._write(placement)
+        except StateUnwritable:
+            self._unwritten.add(placement.key)
+
+    def _note_state(self, error: StateUnwritable | None) -> None:
+        """One log line (and event) per change of the state directory's health."""
+        before = self.state_error
+        self.state_error = error
+        if error is None:
+            if before is not None:
+                log.info("the state directory takes writes again (was: %s)", before.errno_name)
+                self.events("state_writable", {})
+        elif before is None or before.errno_name != error.errno_name:
+            log.error("state not written: %s", error.message)
+            self.events("state_unwritable", {"errno": error.errno_name})
+
+    def needs_retry(self) -> bool:
+        """Is there state the disk refused (records, or the hook library) to retry?"""
+        with self._lock:
+            hook_missing = self.hook_installer is not None and self.options.hook_path is None
+            return bool(self._unwritten) or self.state_error is not None or hook_missing
+
+    def flush_unwritten(self) -> int:
+        """Write again what the disk refused before; returns how many records are left."""
+        with self._lock:
+            for key in sorted(self._unwritten):
+                placement = self.ledger.placements.get(key)
+                if placement is None:
+                    self._unwritten.discard(key)
+                    continue
+                try:
+                    self._write(placement)
+                except StateUnwritable:
+                    return len(self._unwritten)  # still refused: try again later
+            if self.hook_installer is not None and self.options.hook_path is None:
+                try:
+                    self._install_hook()
+                except StateUnwritable:
+                    return 0
+            self._note_state(None)
+            return 0
+
+    def _ensure_hook(self, placement: Placement) -> None:
+        """A sliced container needs the hook library on the host; install it now
+        if start-up could not (refused with the disk's error otherwise)."""
+        if placement.whole or self.hook_installer is None or self.options.hook_path is not None:
+            return
+        self._install_hook()
+
+    def _install_hook(self) -> None:
+        assert self.hook_installer is not None
+        try:
+            hook = self.hook_installer()
+        except OSError as exc:
+            error = state_error(
+                exc.errno,
+                str(exc.filename or "the hook directory"),
+                "install the hook library",
+                exc.strerror or "",
+            )
+            self._note_state(error)
+            raise error from exc
+        self.options = replace(self.options, hook_path=hook)
+        log.info("hook library installed as %s", hook)
 
     def answer(self, placement: Placement) -> AllocationAnswer:
         paths = self.store.paths(placement.key)
@@ -378,7 +592,7 @@ class PluginService:
                 if placement.ids.get(resource) == ids:
                     paths = self.store.paths(placement.key)
                     if not paths.config_file.exists() or not paths.budget_file.is_file():
-                        self.store.write(placement)
+                        self._write(placement)
                         log.warning("re-created the missing config of %s", placement.key)
                     return
 
@@ -416,6 +630,7 @@ class PluginService:
         try:
             listing = self.podresources.list(set(names))
         except PodResourcesUnavailable as exc:
+            self._podres_error = str(exc)
             if not self._podres_warned:
                 log.warning(
                     "pod-resources API unavailable (%s); finished pods are noticed "
@@ -493,7 +708,7 @@ class PluginService:
         if not holders:
             placement = self._rebuild(ids, owner)
             self.ledger.restore(placement)
-            self.store.write(placement)
+            self._write_or_defer(placement)
             log.warning(
                 "adopted %s/%s/%s from the kubelet's record as %s (no state of ours for it)",
                 namespace,
@@ -509,7 +724,7 @@ class PluginService:
                 owner = replace(owner, pod_uid=placement.owner.pod_uid)
             updated = self.ledger.set_owner(key, owner)
             if updated is not None:
-                self.store.write(updated)
+                self._write_or_defer(updated)
                 annotate[(namespace, pod)] = None
 
     def _rebuild(self, ids: dict[Resource, set[DeviceId]], owner: Owner) -> Placement:

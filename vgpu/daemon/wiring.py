@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
+import resource as rlimits
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,7 +46,7 @@ from vgpu.adapters.kubelet.servicer import (
 from vgpu.adapters.nvml import NvmlBackend
 from vgpu.adapters.podresources import PodResourcesClient
 from vgpu.config import Settings
-from vgpu.core.errors import ConfigError
+from vgpu.core.errors import ConfigError, state_error
 from vgpu.core.health import HealthEvent
 from vgpu.core.model import Card, CardUuid, Resource
 from vgpu.daemon.lifecycle import stop_on_signals
@@ -57,6 +59,7 @@ KUBELET_MESSAGE_LIMIT_BYTES = 4 * 1024 * 1024
 MESSAGE_WARN_BYTES = 1024 * 1024
 USAGE_INTERVAL_S = 5.0
 BUDGET_CHECK_INTERVAL_S = 1.0  # how soon a grown budget file is cut back
+STATE_RETRY_S = 1.0
 STOP_TIMEOUT_S = 4.0
 
 
@@ -260,19 +263,25 @@ class Daemon:
                 card.numa_node,
             )
         s.device_plugin_dir.mkdir(parents=True, exist_ok=True)
-        self.store.prepare()
-        hook = install_hook_library(s)
-        if hook is not None:
-            self.service.options = ServiceOptions(
-                **{**self.service.options.__dict__, "hook_path": hook}
+        try:
+            self.store.prepare()
+        except OSError as exc:
+            # Serve anyway: placements are kept in memory and written once the
+            # disk takes them; Allocate refuses with the disk's error meanwhile.
+            log.error(
+                "state directory %s unusable (%s); serving from memory until it is",
+                self.store.root,
+                os.strerror(exc.errno or 0),
             )
+        if s.hook_library is not None:
+            self._install_hook(s.hook_library, s.hook_dir)
         self.service.recover()
         self.pods.start(self.stop)
         self.node_publisher.start(self.stop)
         if s.metrics_address:
             from vgpu.daemon.metrics import Metrics
 
-            self.metrics = Metrics(self)
+            self.metrics = Metrics(self, container_names=s.metrics_container_names)
             self.metrics.serve(s.metrics_address)
         self._serve()
         self._try_register()
@@ -281,6 +290,43 @@ class Daemon:
         self._spawn("reconcile", self._reconcile_loop)
         self._spawn("usage", self._usage_loop)
         self._spawn("budget-watch", self._budget_loop)
+        self._spawn("state-retry", self._state_retry_loop)
+
+    def _install_hook(self, library: Path, hook_dir: Path) -> None:
+        """Install the hook library; a disk that refuses does not stop start-up."""
+        try:
+            library.read_bytes()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot read the hook library {library}: {exc.strerror}; check hook_library"
+            ) from exc
+        self.service.hook_installer = lambda: install_hook(library, hook_dir, __version__)
+        try:
+            hook = install_hook(library, hook_dir, __version__)
+        except OSError as exc:
+            log.error(
+                "cannot install the hook library into %s (%s); sliced containers are refused "
+                "until it can be installed, which is retried every %.0f s",
+                hook_dir,
+                os.strerror(exc.errno or 0),
+                STATE_RETRY_S,
+            )
+            self.service.state_error = state_error(
+                exc.errno, str(hook_dir), "install the hook library", exc.strerror or ""
+            )
+            return
+        self.service.options = replace(self.service.options, hook_path=hook)
+        log.info("hook library installed as %s", hook)
+
+    def _state_retry_loop(self) -> None:
+        """Write what a full, read-only or descriptor-starved disk refused, as
+        soon as it takes it again."""
+        while not self.stop.wait(STATE_RETRY_S):
+            try:
+                if self.service.needs_retry():
+                    self.service.flush_unwritten()
+            except Exception:
+                log.exception("retrying state writes failed; will retry")
 
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -382,11 +428,25 @@ class Daemon:
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         self.podresources.close()
+        self.store.close()
         log.info("stopped; sockets removed")
+
+
+def raise_open_file_limit() -> None:
+    """Use the whole hard limit of open files: a node with many containers, and
+    metrics clients, must not run the kubelet path out of descriptors."""
+    soft, hard = rlimits.getrlimit(rlimits.RLIMIT_NOFILE)
+    want = hard if hard != rlimits.RLIM_INFINITY else 1 << 20
+    if soft != rlimits.RLIM_INFINITY and soft < want:
+        try:
+            rlimits.setrlimit(rlimits.RLIMIT_NOFILE, (want, hard))
+        except (OSError, ValueError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, want, exc)
 
 
 def run(settings: Settings, factory: Callable[[Settings], Lifecycle] = Daemon) -> int:
     """Run until SIGTERM/SIGINT. Exit codes: 0 clean stop, 2 bad config, 3 backend unusable."""
+    raise_open_file_limit()
     daemon = factory(settings)
     stop_on_signals(daemon.stop, log)
     try:

@@ -20,11 +20,18 @@ import grpc
 
 from vgpu.core.contract import ContainerEdits
 from vgpu.core.errors import (
+    ApiUnavailable,
+    DiskFull,
     InsufficientCapacity,
     InvalidRequest,
     PlacementConflict,
+    StateIOError,
+    StateReadOnly,
+    TooManyOpenFiles,
+    UnknownCard,
     UnknownDevice,
     VgpuError,
+    state_error,
 )
 from vgpu.core.model import Resource
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
@@ -74,11 +81,22 @@ class PluginCore(Protocol):
     def prestart(self, resource: Resource, device_ids: Sequence[str]) -> None: ...
 
 
+# Why these codes: RESOURCE_EXHAUSTED where something runs out and comes back
+# by itself (room on a card, disk space, file descriptors); FAILED_PRECONDITION
+# where the node is in a state that needs a change first (a card gone or held
+# whole, a read-only disk); UNAVAILABLE where a dependency cannot be reached or
+# failed in a way that may pass (the pod-resources API, an I/O error).
 _STATUS: list[tuple[type[VgpuError], grpc.StatusCode]] = [
+    (UnknownCard, grpc.StatusCode.FAILED_PRECONDITION),
     (UnknownDevice, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (InsufficientCapacity, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (PlacementConflict, grpc.StatusCode.FAILED_PRECONDITION),
+    (DiskFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TooManyOpenFiles, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StateReadOnly, grpc.StatusCode.FAILED_PRECONDITION),
+    (StateIOError, grpc.StatusCode.UNAVAILABLE),
+    (ApiUnavailable, grpc.StatusCode.UNAVAILABLE),
 ]
 
 
@@ -133,7 +151,17 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         start = time.perf_counter()
         outcome = "ok"
         try:
-            return fn()
+            try:
+                return fn()
+            except OSError as os_error:
+                # An OS error the daemon did not name itself (e.g. EMFILE opening
+                # a file): still a named refusal, never a generic INTERNAL.
+                raise state_error(
+                    os_error.errno,
+                    str(os_error.filename or "?"),
+                    f"answer {method}",
+                    os_error.strerror or "",
+                ) from os_error
         except VgpuError as exc:
             outcome = type(exc).__name__
             code = status_for(exc)

@@ -1,0 +1,237 @@
+"""A small, bounded HTTP/1.1 server for /metrics and /healthz.
+
+Anyone who can reach the port is a client, so no client may affect the
+daemon's real work (the kubelet's calls):
+
+* one event-loop thread reads every request: no thread per connection;
+* a request head must arrive whole within `header_timeout_s` and fit in
+  `max_header_bytes`, and the answer must be taken within `write_timeout_s`;
+* at most `max_connections` are open (never more than a sixteenth of the
+  process's open-file limit, so descriptors stay for the kubelet path) and at
+  most `max_per_peer` from one address. A new connection over a limit evicts
+  the oldest one still sending its request (that peer's first), so a flood of
+  half-sent requests cannot lock a liveness probe out;
+* slow answers (rendering /metrics) run on a pool of `workers` threads; the
+  `inline` paths (/healthz) are answered on the loop itself, at once.
+
+Every answer closes the connection (HTTP/1.1 "Connection: close").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import socket
+import threading
+from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+# path -> (status, content type, body)
+Handler = Callable[[str], tuple[int, str, bytes]]
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_connections: int = 64
+    max_per_peer: int = 16
+    header_timeout_s: float = 5.0
+    write_timeout_s: float = 10.0
+    max_header_bytes: int = 8192
+    workers: int = 2
+
+
+@dataclass
+class _Conn:
+    ident: int
+    peer: str
+    writer: asyncio.StreamWriter
+    reading: bool = True
+
+
+@dataclass
+class HttpStats:
+    """Connections dropped, by reason (exported as a metric)."""
+
+    dropped: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("evicted", "timeout", "too_large", "refused"), 0)
+    )
+    open: int = 0
+
+
+def connection_cap(wanted: int) -> int:
+    """At most a sixteenth of the open-file limit goes to HTTP clients."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(2, min(wanted, soft // 16))
+
+
+class BoundedHttpServer:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Handler,
+        inline: Collection[str] = (),
+        limits: HttpLimits = HttpLimits(),
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.handler = handler
+        self.inline = frozenset(inline)
+        self.limits = limits
+        self.max_connections = connection_cap(limits.max_connections)
+        self.stats = HttpStats()
+        self._conns: dict[int, _Conn] = {}  # insertion order: oldest first
+        self._ids = 0
+        self._pool = ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="http")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Bind now (an error is raised here, not in the thread), then serve."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self._sock = socket.create_server((self.host, self.port), family=family, backlog=128)
+        self.port = self._sock.getsockname()[1]
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(ready,), name="metrics-http", daemon=True
+        )
+        self._thread.start()
+        ready.wait(5.0)
+
+    def _run(self, ready: threading.Event) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        assert self._sock is not None
+        server = loop.run_until_complete(
+            asyncio.start_server(
+                self._serve,
+                sock=self._sock,
+                limit=self.limits.max_header_bytes,
+                # Also how many asyncio accepts in one go: a short queue makes
+                # clients wait a SYN retry (1 s) each time it overflows.
+                backlog=min(128, 4 * self.max_connections),
+            )
+        )
+        ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            server.close()
+            for conn in list(self._conns.values()):
+                conn.writer.transport.abort()
+            tasks = asyncio.all_tasks(loop)
+            if tasks:  # reads end at once; an answer being rendered gets a second
+                loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
+            loop.close()
+
+    def close(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is not None and thread is not None and thread.is_alive():
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(2.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---------------------------------------------------------- connections
+
+    def _admit(self, conn: _Conn) -> bool:
+        """Keep the connection counts within the limits; False: refuse this one."""
+        same_peer = [c for c in self._conns.values() if c.peer == conn.peer]
+        if len(same_peer) > self.limits.max_per_peer:
+            victim = next((c for c in same_peer if c.reading and c is not conn), None)
+            if victim is None:
+                return False
+            self._evict(victim)
+        if len(self._conns) > self.max_connections:
+            victim = next((c for c in self._conns.values() if c.reading and c is not conn), None)
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    def _evict(self, conn: _Conn) -> None:
+        """Cut a connection: its read ends at once and its task finishes by itself."""
+        self.stats.dropped["evicted"] += 1
+        self._conns.pop(conn.ident, None)
+        conn.writer.transport.abort()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        self._ids += 1
+        ident = self._ids
+        conn = _Conn(ident, str(peer[0]) if peer else "?", writer)
+        self._conns[ident] = conn
+        self.stats.open = len(self._conns)
+        try:
+            if not self._admit(conn):
+                self.stats.dropped["refused"] += 1
+                return
+            await self._answer(conn, reader, writer)
+        except (ConnectionError, OSError):
+            pass  # the client went away, or was cut
+        finally:
+            self._conns.pop(ident, None)
+            self.stats.open = len(self._conns)
+            writer.transport.abort()
+
+    async def _answer(
+        self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            head = await asyncio.wait_for(
+                reader.readuntil(b"\r\n\r\n"), self.limits.header_timeout_s
+            )
+        except TimeoutError:
+            self.stats.dropped["timeout"] += 1
+            return
+        except asyncio.LimitOverrunError:
+            self.stats.dropped["too_large"] += 1
+            await self._send(writer, HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, b"", "HEAD")
+            return
+        except asyncio.IncompleteReadError:
+            return
+        conn.reading = False
+        method, path = _request_line(head)
+        if method not in ("GET", "HEAD"):
+            await self._send(writer, HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n", method)
+            return
+        route = path.split("?", 1)[0]
+        if route in self.inline:
+            status, ctype, body = self.handler(route)
+        else:
+            loop = asyncio.get_running_loop()
+            status, ctype, body = await loop.run_in_executor(self._pool, self.handler, route)
+        await self._send(writer, HTTPStatus(status), body, method, ctype)
+
+    async def _send(
+        self,
+        writer: asyncio.StreamWriter,
+        status: HTTPStatus,
+        body: bytes,
+        method: str,
+        ctype: str = "text/plain",
+    ) -> None:
+        head = (
+            f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        writer.write(head if method == "HEAD" else head + body)
+        writer.transport.set_write_buffer_limits(high=0)  # drain() waits for all of it
+        try:
+            await asyncio.wait_for(writer.drain(), self.limits.write_timeout_s)
+        except TimeoutError:
+            self.stats.dropped["timeout"] += 1
+
+
+def _request_line(head: bytes) -> tuple[str, str]:
+    line = head.split(b"\r\n", 1)[0].decode("latin-1")
+    parts = line.split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+        return "", ""
+    return parts[0], parts[1]
