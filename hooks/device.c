@@ -10,6 +10,17 @@
  * a PID namespace), and the memory NVML shows for it is the context's
  * overhead, charged to the budget.  Where it cannot be measured, the
  * per-card estimate from $VGPU_CONTEXT_OVERHEAD_MIB is charged instead.
+ *
+ * When several processes create their contexts on the card at the same
+ * moment (pods of one Deployment starting together), several pids are new.
+ * The hook then marks itself: it allocates a few MiB through the real driver
+ * (not charged to the budget), and the one new pid whose used memory NVML
+ * shows grow by that much, and shrink again when it is freed, is ours.  The
+ * size is random per attempt (another process doing the same at the same
+ * time must not look like us); a few attempts within a few ms.  Still
+ * unresolved, the new pids are kept and the compute controller tries again
+ * at its next periods (candidates that exit drop out, the last one left is
+ * ours) before one line says compute is throttled on the whole card.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -17,12 +28,22 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "vgpu.h"
 
 #define MAX_ORDINALS 64
 #define MAX_PROCS 1024
 #define MAX_CONTEXTS 16
+#define MAX_CANDIDATES 64
+#define MARK_ATTEMPTS 4           /* at context creation */
+#define MARK_LATER_ATTEMPTS 2     /* at each later try */
+#define MARK_BUDGET_NS 20000000ll /* no attempt starts after this long (a few ms on a GPU) */
+#define MARK_UNIT (2ull << 20)    /* the driver's allocation granularity */
+#define MARK_UNITS 8              /* marker sizes: 2, 4, ... 16 MiB */
+#define LATER_TRIES 40            /* compute controller periods (50 ms each): 2 s */
+#define GONE (~0ull - 1)          /* a candidate no longer listed */
 
 typedef CUresult (*ctx_get_device_fn)(CUdevice *);
 typedef CUresult (*ctx_get_device_v2_fn)(CUdevice *, CUcontext);
@@ -167,10 +188,13 @@ int vgpu_stream_ordinal(CUstream stream)
     return context_ordinal(ctx);
 }
 
+static void forget_candidates(void);
+
 void vgpu_device_after_fork(void)
 {
     pthread_mutex_init(&lock, NULL);
     memset(context_done, 0, sizeof(context_done)); /* the child's contexts are its own */
+    forget_candidates();
 }
 
 /* ---- context creation: host pid and context overhead ---- */
@@ -212,15 +236,228 @@ static int before_context(CUdevice ordinal, struct snapshot **out)
     return 1;
 }
 
-static void after_context(CUdevice ordinal, struct snapshot *before)
+/* ---- several new pids: which one is ours ---- */
+
+struct candidates {
+    nvmlDevice_t dev;
+    CUcontext ctx;
+    int ordinal;
+    int entry;                               /* budget entry the overhead went to */
+    uint64_t charged;                        /* overhead charged while unresolved */
+    int tries_left;                          /* later tries (controller periods) */
+    int seen;                                /* new pids at context creation */
+    int n;                                   /* candidates left; 0 = nothing pending */
+    unsigned pid[MAX_CANDIDATES];
+    unsigned long long mem[MAX_CANDIDATES];  /* usedGpuMemory right after our context */
+};
+
+enum { TOLD, UNTOLD, NO_PROCESS_MEMORY, NO_CANDIDATE };
+
+static struct candidates pending; /* under pending_lock */
+static int have_pending;
+static pthread_mutex_t pending_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void forget_candidates(void)
 {
-    static int logged_pid, logged_mem;
+    pthread_mutex_init(&pending_lock, NULL);
+    pending.n = 0;
+    have_pending = 0;
+}
+
+static long long clock_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000ll + ts.tv_nsec;
+}
+
+/* Each candidate's used memory now (GONE where not listed); -1 without a list. */
+static int candidate_memory(const struct candidates *c, nvmlProcessInfo_v2_t *buf,
+                            unsigned long long *out)
+{
+    int n = vgpu_nvml_processes(c->dev, buf, MAX_PROCS);
+    if (n < 0)
+        return -1;
+    for (int i = 0; i < c->n; i++) {
+        out[i] = GONE;
+        for (int j = 0; j < n; j++)
+            if (buf[j].pid == c->pid[i])
+                out[i] = buf[j].usedGpuMemory;
+    }
+    return 0;
+}
+
+/* Drops candidates that are gone or are another process of this container. */
+static void drop_others(struct candidates *c, const unsigned long long *now)
+{
+    static struct vgpu_pid ours[VGPU_MAX_SLOTS]; /* under pending_lock */
+    int nours = vgpu_budget_pids(ours, VGPU_MAX_SLOTS), kept = 0;
+    for (int i = 0; i < c->n; i++) {
+        int sibling = 0;
+        for (int j = 0; j < nours && !sibling; j++)
+            sibling = ours[j].host_pid == c->pid[i];
+        if (now[i] == GONE || sibling)
+            continue;
+        c->pid[kept] = c->pid[i];
+        c->mem[kept] = c->mem[i];
+        kept++;
+    }
+    c->n = kept;
+}
+
+/* A marker size, in driver allocation units, unlike the previous one. */
+static uint64_t marker_bytes(uint64_t previous)
+{
+    static unsigned state;
+    if (!state)
+        state = (unsigned)clock_ns() ^ ((unsigned)getpid() << 16) ^ (unsigned)(uintptr_t)&state;
+    for (;;) {
+        state ^= state << 13, state ^= state >> 17, state ^= state << 5;
+        uint64_t bytes = MARK_UNIT * (1 + state % MARK_UNITS);
+        if (bytes != previous)
+            return bytes;
+    }
+}
+
+/* One marker: pushes our context, allocates through the real driver (the
+ * budget is not charged: this memory is gone again before we return), and
+ * reads each candidate's memory before, with and after it.  The index of the
+ * one candidate it shows, else -1. */
+static int mark_once(const struct candidates *c, nvmlProcessInfo_v2_t *buf, uint64_t bytes)
+{
+    static void *fpush, *fpop;
+    ctx_push_fn push = (ctx_push_fn)sym(&fpush, "cuCtxPushCurrent_v2");
+    ctx_pop_fn pop = (ctx_pop_fn)sym(&fpop, "cuCtxPopCurrent_v2");
+    unsigned long long m0[MAX_CANDIDATES], m1[MAX_CANDIDATES], m2[MAX_CANDIDATES];
+    CUcontext popped;
+    CUdeviceptr ptr = 0;
+    if (!push || !pop || candidate_memory(c, buf, m0) != 0 || push(c->ctx) != CUDA_SUCCESS)
+        return -1;
+    CUresult rc = VGPU_REAL(cuMemAlloc_v2, &ptr, bytes);
+    int seen = rc == CUDA_SUCCESS && candidate_memory(c, buf, m1) == 0;
+    if (rc == CUDA_SUCCESS)
+        VGPU_REAL(cuMemFree_v2, ptr);
+    seen = seen && candidate_memory(c, buf, m2) == 0;
+    pop(&popped);
+    if (!seen)
+        return -1;
+    /* Grew by the marker; where two did (another process's allocation at the
+     * same moment), the one that also shrank by it when it was freed. */
+    int grew = 0, shrank = 0, grew_at = -1, shrank_at = -1;
+    for (int i = 0; i < c->n; i++) {
+        if (m0[i] >= GONE || m1[i] >= GONE || m1[i] < m0[i] || m1[i] - m0[i] < bytes)
+            continue;
+        grew++, grew_at = i;
+        if (m2[i] < GONE && m2[i] <= m1[i] && m1[i] - m2[i] >= bytes)
+            shrank++, shrank_at = i;
+    }
+    VGPU_TRACE("marker of %llu MiB: %d of %d new pids grew by it, %d also shrank",
+               (unsigned long long)(bytes / VGPU_MIB), grew, c->n, shrank);
+    return grew == 1 ? grew_at : shrank == 1 ? shrank_at : -1;
+}
+
+/* Narrows `c` down to our pid (c->pid[0] on TOLD) in at most `attempts`
+ * markers and MARK_BUDGET_NS. */
+static int identify(struct candidates *c, int attempts)
+{
+    nvmlProcessInfo_v2_t *buf = calloc(MAX_PROCS, sizeof(*buf));
+    unsigned long long now[MAX_CANDIDATES];
+    int result = UNTOLD;
+    if (!buf)
+        return UNTOLD;
+    uint64_t bytes = 0;
+    for (long long start = clock_ns();
+         attempts-- > 0 && clock_ns() - start < MARK_BUDGET_NS;) {
+        if (candidate_memory(c, buf, now) != 0)
+            break;
+        drop_others(c, now);
+        if (c->n <= 1) { /* the others exited: the one left is ours, if any */
+            result = c->n ? TOLD : NO_CANDIDATE;
+            break;
+        }
+        int memory = 1;
+        for (int i = 0; i < c->n; i++)
+            memory &= now[i] != NVML_VALUE_NOT_AVAILABLE;
+        if (!memory) {
+            result = NO_PROCESS_MEMORY;
+            break;
+        }
+        bytes = marker_bytes(bytes);
+        int k = mark_once(c, buf, bytes);
+        if (k >= 0) {
+            c->pid[0] = c->pid[k];
+            c->mem[0] = c->mem[k];
+            c->n = 1;
+            result = TOLD;
+            break;
+        }
+    }
+    free(buf);
+    return result;
+}
+
+static void log_untold(int count, int why)
+{
+    static int logged;
+    vgpu_log(&logged,
+             "could not tell this process's host pid from NVML (%d new processes on the card%s); "
+             "%s", count,
+             why == NO_PROCESS_MEMORY ? ", and NVML reports no per-process usedGpuMemory to "
+                                        "mark one by" : "",
+             vgpu_cfg.core_percent ? "compute is throttled on the whole card's utilisation"
+                                   : "the container's NVML process list leaves it out");
+}
+
+int vgpu_device_host_pid_pending(void)
+{
+    return __atomic_load_n(&have_pending, __ATOMIC_ACQUIRE);
+}
+
+/* Later tries, from the compute controller thread: once per period. */
+void vgpu_device_retry_host_pid(void)
+{
+    if (!__atomic_load_n(&have_pending, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&pending_lock);
+    int why = UNTOLD;
+    if (pending.n && !vgpu_budget_host_pid()) {
+        long long t0 = clock_ns();
+        why = identify(&pending, MARK_LATER_ATTEMPTS);
+        if (why == TOLD) {
+            unsigned long long mem = pending.mem[0];
+            vgpu_budget_set_host_pid(pending.pid[0]);
+            VGPU_TRACE("context on device %d: host pid %u, told later in %lld us",
+                       pending.ordinal, pending.pid[0], (clock_ns() - t0) / 1000);
+            /* The overhead NVML showed for it replaces the estimate charged meanwhile. */
+            if (vgpu_cfg.memory_limit != VGPU_NO_LIMIT && mem != NVML_VALUE_NOT_AVAILABLE) {
+                if (mem > pending.charged)
+                    vgpu_budget_charge(pending.entry, mem - pending.charged);
+                else
+                    vgpu_budget_release(pending.entry, pending.charged - mem);
+            }
+        }
+    }
+    if (why == TOLD || why == NO_CANDIDATE || !pending.n || vgpu_budget_host_pid() ||
+        --pending.tries_left <= 0) {
+        if (why != TOLD && !vgpu_budget_host_pid())
+            log_untold(pending.seen, why);
+        pending.n = 0;
+        __atomic_store_n(&have_pending, 0, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&pending_lock);
+}
+
+static void after_context(CUdevice ordinal, CUcontext ctx, struct snapshot *before)
+{
+    static int logged_mem;
     if (__atomic_exchange_n(&context_done[ordinal], 1, __ATOMIC_ACQ_REL)) {
         free(before);
         return;
     }
     uint64_t overhead = VGPU_NO_LIMIT; /* not measured */
     unsigned host = vgpu_budget_host_pid();
+    struct candidates *untold = NULL; /* several new pids, none told ours */
+    int why = UNTOLD;
     if (before->n >= 0) {
         struct snapshot *after = calloc(1, sizeof(*after));
         if (after) {
@@ -234,15 +471,37 @@ static void after_context(CUdevice ordinal, struct snapshot *before)
             if (count == 1 && (!host || host == after->procs[fresh].pid)) {
                 host = after->procs[fresh].pid;
                 overhead = after->procs[fresh].usedGpuMemory;
+            } else if (count > 1 && !host && (untold = calloc(1, sizeof(*untold)))) {
+                *untold = (struct candidates){.dev = before->dev, .ctx = ctx, .ordinal = ordinal,
+                                              .tries_left = LATER_TRIES, .seen = count};
+                for (int i = 0; i < after->n && untold->n < MAX_CANDIDATES; i++)
+                    if (!listed(before, after->procs[i].pid)) {
+                        untold->pid[untold->n] = after->procs[i].pid;
+                        untold->mem[untold->n++] = after->procs[i].usedGpuMemory;
+                    }
+                long long t0 = clock_ns();
+                pthread_mutex_lock(&pending_lock);
+                why = identify(untold, MARK_ATTEMPTS);
+                pthread_mutex_unlock(&pending_lock);
+                VGPU_TRACE("context on device %d: %d new pids, %s in %lld us", ordinal, count,
+                           why == TOLD ? "ours told by a marker allocation" : "none told ours",
+                           (clock_ns() - t0) / 1000);
+                if (why == TOLD) {
+                    host = untold->pid[0];
+                    overhead = untold->mem[0];
+                    free(untold);
+                    untold = NULL;
+                } else if (why == NO_CANDIDATE) {
+                    free(untold);
+                    untold = NULL;
+                }
             } else {
                 for (int i = 0; host && i < after->n; i++)
                     if (after->procs[i].pid == host && !listed(before, host))
                         overhead = after->procs[i].usedGpuMemory;
-                if (!host)
-                    vgpu_log(&logged_pid, "could not tell this process's host pid from NVML (%d "
-                             "new processes on the card); compute is throttled on the whole "
-                             "card's utilisation", count);
             }
+            if (!host && !untold)
+                log_untold(count, why);
             free(after);
         }
     }
@@ -262,18 +521,35 @@ static void after_context(CUdevice ordinal, struct snapshot *before)
             VGPU_TRACE("context on device %d: charged %llu bytes of overhead", ordinal,
                        (unsigned long long)overhead);
         }
+        if (untold) {
+            untold->entry = vgpu_device_entry(ordinal);
+            untold->charged = overhead;
+        }
+    }
+    if (untold) {
+        /* The compute controller tries again at its next periods; without a
+         * compute limit there is none, and this is the last word. */
+        pthread_mutex_lock(&pending_lock);
+        if (vgpu_cfg.core_percent && !pending.n) {
+            pending = *untold;
+            __atomic_store_n(&have_pending, 1, __ATOMIC_RELEASE);
+        } else if (!pending.n) {
+            log_untold(untold->seen, why);
+        }
+        pthread_mutex_unlock(&pending_lock);
+        free(untold);
     }
     free(before);
 }
 
-#define CONTEXT(ordinal, call)                                                                   \
+#define CONTEXT(ordinal, pctx, call)                                                             \
     do {                                                                                         \
         struct snapshot *s_;                                                                     \
         int want_ = before_context(ordinal, &s_);                                                \
         CUresult rc_ = (call);                                                                   \
         VGPU_TRACE("%s(device %d) = %d", __func__, (int)(ordinal), rc_);                         \
-        if (want_ && rc_ == CUDA_SUCCESS)                                                        \
-            after_context(ordinal, s_);                                                          \
+        if (want_ && rc_ == CUDA_SUCCESS && (pctx))                                              \
+            after_context(ordinal, *(pctx), s_);                                                 \
         else                                                                                     \
             free(s_);                                                                            \
         return rc_;                                                                              \
@@ -281,27 +557,27 @@ static void after_context(CUdevice ordinal, struct snapshot *before)
 
 VGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
-    CONTEXT(dev, VGPU_REAL(cuDevicePrimaryCtxRetain, pctx, dev));
+    CONTEXT(dev, pctx, VGPU_REAL(cuDevicePrimaryCtxRetain, pctx, dev));
 }
 
 VGPU_EXPORT CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev)
 {
-    CONTEXT(dev, VGPU_REAL(cuCtxCreate, pctx, flags, dev));
+    CONTEXT(dev, pctx, VGPU_REAL(cuCtxCreate, pctx, flags, dev));
 }
 
 VGPU_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
 {
-    CONTEXT(dev, VGPU_REAL(cuCtxCreate_v2, pctx, flags, dev));
+    CONTEXT(dev, pctx, VGPU_REAL(cuCtxCreate_v2, pctx, flags, dev));
 }
 
 VGPU_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *params, int n,
                                     unsigned int flags, CUdevice dev)
 {
-    CONTEXT(dev, VGPU_REAL(cuCtxCreate_v3, pctx, params, n, flags, dev));
+    CONTEXT(dev, pctx, VGPU_REAL(cuCtxCreate_v3, pctx, params, n, flags, dev));
 }
 
 VGPU_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params,
                                     unsigned int flags, CUdevice dev)
 {
-    CONTEXT(dev, VGPU_REAL(cuCtxCreate_v4, pctx, params, flags, dev));
+    CONTEXT(dev, pctx, VGPU_REAL(cuCtxCreate_v4, pctx, params, flags, dev));
 }

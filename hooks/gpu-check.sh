@@ -12,8 +12,9 @@
 #      the budget's);
 #   5. compute: an fp16 matmul loop at VGPU_CORE_LIMIT=30 runs at 0.25-0.35 of
 #      its unlimited rate, also as CUDA-graph replay;
-#   6. two tenants in separate PID namespaces at 30 and 60 each get their own
-#      share;
+#   6. two tenants in separate PID namespaces at 30 and 60, started together
+#      (their contexts are likely created at the same moment), each get their
+#      own share and each tells its host pid (no "could not tell" line);
 #   7. with the hook loaded and no limits, throughput within 3 % of no hook.
 # Usage: hooks/gpu-check.sh [--dry-run]   (PYTHON=... picks the interpreter)
 # --dry-run checks the script and its Python without a GPU and prints the plan.
@@ -188,11 +189,12 @@ tenant() {
     local ns=(unshare --pid --fork --mount-proc)
     (($(id -u) == 0)) || ns=(unshare --user --map-root-user --pid --fork --mount-proc)
     timeout -s KILL 120 "${ns[@]}" env VGPU_CORE_LIMIT="$core" LD_PRELOAD="$lib" \
-        VGPU_SHARED_DIR="$shared" "$python" "$work/check.py" matmul 20 8 kernels 2>>"$work/stderr" | tail -n 1
+        VGPU_SHARED_DIR="$shared" "$python" "$work/check.py" matmul 20 8 kernels 2>>"$work/t$core.err" | tail -n 1
 }
 tenant 30 >"$work/t30" &
 tenant 60 >"$work/t60" &
 wait
+tenant_log=$(cat "$work/t30.err" "$work/t60.err" 2>/dev/null | grep '^vgpu:' | head -n 8 || true)
 t30=$(cat "$work/t30" 2>/dev/null || true)
 t60=$(cat "$work/t60" 2>/dev/null || true)
 
@@ -202,7 +204,7 @@ hooked=$(run 90 -- matmul 10 3 kernels)
 
 "$python" - "$info" "$driver" "$glibc" "$mem_default" "$mem_expandable" "$mem_async" "$smi_total" \
     "$held" "$second" "$after_kill" "$overhead" "${nvml_mib:-0}" "$base" "$slow" "$gbase" "$gslow" \
-    "${t30:-null}" "${t60:-null}" "$nohook" "$hooked" <<'PY'
+    "${t30:-null}" "${t60:-null}" "$nohook" "$hooked" "$tenant_log" <<'PY'
 import json, sys
 a = sys.argv[1:]
 j = lambda s: json.loads(s) if s and s != "null" else {}
@@ -212,6 +214,7 @@ smi_total = int(a[6] or 0)
 held, second, after_kill, overhead = j(a[7]), j(a[8]), j(a[9]), j(a[10])
 nvml_mib = int(a[11] or 0)
 base, slow, gbase, gslow, t30, t60, nohook, hooked = (j(x) for x in a[12:20])
+tenant_log = a[20].splitlines()
 rate = lambda x, y: round(x.get("matmul_per_s", 0) / y.get("matmul_per_s", float("inf")), 3)
 GIB = 1 << 30
 checks = {}
@@ -229,6 +232,7 @@ checks["compute 30% with CUDA graphs: 0.25-0.35"] = 0.25 <= g30 <= 0.35
 s30, s60 = rate(t30, base), rate(t60, base)
 checks["tenant at 30% gets its share"] = 0.22 <= s30 <= 0.38
 checks["tenant at 60% gets its share"] = 0.5 <= s60 <= 0.7
+checks["tenants told their host pids"] = not any("could not tell" in x for x in tenant_log)
 free_cost = rate(hooked, nohook)
 checks["no limits: within 3% of no hook"] = free_cost >= 0.97
 charged = overhead.get("charged_mib")
@@ -242,6 +246,7 @@ report = {
     "compute": {"unlimited": base, "limit_30": slow, "ratio_30": r30,
                 "graphs_unlimited": gbase, "graphs_limit_30": gslow, "graphs_ratio_30": g30,
                 "tenant_30": t30, "tenant_60": t60, "share_30": s30, "share_60": s60,
+                "tenant_log": tenant_log,
                 "no_hook": nohook, "hook_no_limits": hooked, "hook_cost_ratio": free_cost},
     "checks": checks, "ok": all(checks.values()),
 }

@@ -153,8 +153,9 @@ static int device_util(unsigned int d, const struct vgpu_pid *pids, int npids, u
             out->self += u;
     }
     if (!known) {
-        vgpu_log(&logged, "no host pid of this container is known (no context seen); "
-                 "throttling on the whole card's utilisation");
+        if (!vgpu_device_host_pid_pending()) /* else said once that is settled */
+            vgpu_log(&logged, "no host pid of this container is known (no context seen); "
+                     "throttling on the whole card's utilisation");
         out->container = all;
     }
     if (!self)
@@ -214,6 +215,7 @@ static void *controller(void *arg)
             w.graphs_ns += __atomic_exchange_n(&graph_ns, 0, __ATOMIC_RELAXED);
             seen = count;
             since = t;
+            vgpu_device_retry_host_pid();
             struct util u;
             int rc = container_util(&u);
             unsupported = rc == -2 ? unsupported + 1 : 0;

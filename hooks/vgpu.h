@@ -97,6 +97,11 @@ int vgpu_stream_ordinal(CUstream stream);
 /* "GPU-..." (or the matching NVIDIA_VISIBLE_DEVICES entry) of an ordinal; 0 on success. */
 int vgpu_device_uuid(int ordinal, char out[VGPU_UUID_BYTES]);
 void vgpu_device_after_fork(void);
+/* Whether several processes created their contexts with ours and which of
+ * them is this one is still to be told; the compute controller's periodic
+ * retry of that (cheap when nothing is pending). */
+int vgpu_device_host_pid_pending(void);
+void vgpu_device_retry_host_pid(void);
 
 /* ---- nvml.c ---- */
 struct vgpu_nvml_api {

@@ -9,6 +9,7 @@
  *   FAKE_CUDA_DEVICES       ordinal -> card, e.g. "1" (as CUDA_VISIBLE_DEVICES)
  *   FAKE_CUDA_LAUNCH_US     GPU time of each kernel (default 0: none)
  *   FAKE_CUDA_CTX_OVERHEAD_MIB  memory a context takes on its card
+ *   FAKE_CTX_BARRIER        see fake_gpu.h
  *   FAKE_CUDA_PROC_ALIAS    cuGetProcAddress returns internal aliases, not the
  *                           exported symbols (as a driver may)
  */
@@ -153,8 +154,39 @@ CUresult cuDeviceGetUuid(CUuuid *u, CUdevice d)
 }
 CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d) { return cuDeviceGetUuid(u, d); }
 
+/* Live processes with a context on `card`. */
+static int holders(struct fake_gpu *g, int card)
+{
+    int n = 0;
+    fake_lock(g);
+    for (int i = 0; i < FAKE_MAX_PROCS; i++)
+        n += fake_alive(g->procs[i].pid) && (g->procs[i].ctx_mask & (1u << card));
+    fake_unlock(g);
+    return n;
+}
+
+/* FAKE_CTX_BARRIER=N: wait (10 s at most) until N processes have entered
+ * context creation (`arrivals`), or hold a context on `card`. */
+static void ctx_barrier(struct fake_gpu *g, int card, int arrivals)
+{
+    const char *env = getenv("FAKE_CTX_BARRIER");
+    int want = env ? atoi(env) : 0;
+    if (want <= 1)
+        return;
+    for (int64_t until = fake_now() + 10000000000ll; fake_now() < until;) {
+        int n = arrivals ? (int)__atomic_load_n(&g->ctx_arrived, __ATOMIC_ACQUIRE)
+                         : holders(g, card);
+        if (n >= want)
+            return;
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 /* A context registers the process on its card (what NVML then lists) and
- * takes FAKE_CUDA_CTX_OVERHEAD_MIB there. */
+ * takes FAKE_CUDA_CTX_OVERHEAD_MIB there.  Under FAKE_CTX_BARRIER every
+ * process enters (after the hook's "before" look at NVML) before any
+ * registers, and none returns (to the hook's "after" look) before all have. */
 static CUresult new_context(CUcontext *pctx, CUdevice d)
 {
     if (!pctx || d < 0 || d >= FAKE_CARDS)
@@ -164,11 +196,20 @@ static CUresult new_context(CUcontext *pctx, CUdevice d)
     struct fake_gpu *g = fake_gpu();
     fake_lock(g);
     struct fake_proc *p = fake_me(g);
+    int fresh = !(p->ctx_mask & (1u << card));
+    fake_unlock(g);
+    if (fresh) {
+        __atomic_fetch_add(&g->ctx_arrived, 1, __ATOMIC_ACQ_REL);
+        ctx_barrier(g, card, 1);
+    }
+    fake_lock(g);
     if (!(p->ctx_mask & (1u << card))) {
         p->ctx_mask |= 1u << card;
         p->used[card] += (mib ? strtoull(mib, NULL, 10) : 0) << 20;
     }
     fake_unlock(g);
+    if (fresh)
+        ctx_barrier(g, card, 0);
     *pctx = (CUcontext)(uintptr_t)(d + 1);
     current_dev = d;
     return CUDA_SUCCESS;

@@ -6,6 +6,10 @@
  * "containers" compete for one card; without it, it is per process.
  *   FAKE_PIDNS_OFFSET  the process's "host pid" is its pid plus this: what
  *                      NVML reports, as for a process in a PID namespace
+ *   FAKE_CTX_BARRIER   N: context creation waits until N processes have entered
+ *                      it, and returns once N hold a context on the card, so
+ *                      each sees every other one appear with its own (the race
+ *                      of pods starting together); once per state file
  */
 #ifndef FAKE_GPU_H
 #define FAKE_GPU_H
@@ -45,7 +49,7 @@ struct fake_proc {
 
 struct fake_gpu {
     uint32_t lock;
-    uint32_t pad;
+    uint32_t ctx_arrived; /* processes that entered context creation (FAKE_CTX_BARRIER) */
     int64_t free_at[FAKE_MAX_DEV];
     struct fake_proc procs[FAKE_MAX_PROCS];
 };

@@ -89,6 +89,108 @@ def test_two_tenants_in_pid_namespaces_each_get_their_own_share(tmp_path: Path) 
     assert 0.45 <= share_b <= 0.72, (share_a, share_b)
 
 
+def start_together(
+    tmp_path: Path, tenants: dict[str, tuple[tuple[object, ...], dict[str, object]]]
+) -> dict[str, tuple[subprocess.Popen[str], int]]:
+    """One probe per tenant (name -> its ops and env settings) on one stand-in card,
+    whose context creations meet at a barrier: each sees every other one's pid
+    appear with its own.  Returns each tenant's probe and the host pid NVML shows
+    for it."""
+    gpu = tmp_path / "gpu"
+    started = {}
+    for i, (name, (ops, extra)) in enumerate(tenants.items()):
+        (tmp_path / name).mkdir()
+        offset = 100000 * (i + 1)
+        env = tenant_env(
+            tmp_path / name, gpu, offset=offset, FAKE_CTX_BARRIER=len(tenants), **extra
+        )
+        proc = run_probe(env, *ops)
+        started[name] = (proc, proc.pid + offset)
+    return started
+
+
+@pytest.mark.timeout(60)
+def test_two_tenants_creating_their_contexts_together_each_get_their_own_share(
+    tmp_path: Path,
+) -> None:
+    """Pods of a Deployment scaling up start together: both see two new pids on the
+    card and must still each throttle on their own utilisation, not the card's."""
+    ops = ("ctx", 0, "launch", 4)
+    started = start_together(
+        tmp_path,
+        {
+            "a": (ops, {"VGPU_CORE_LIMIT": 30, "FAKE_CUDA_LAUNCH_US": 200}),
+            "b": (ops, {"VGPU_CORE_LIMIT": 60, "FAKE_CUDA_LAUNCH_US": 200}),
+        },
+    )
+    results = {name: last_json(proc) for name, (proc, _) in started.items()}
+    share_a, share_b = (float(results[n]["share"]) for n in "ab")  # type: ignore[arg-type]
+    print(
+        f"GPU shares, contexts created together: limit 30% -> {share_a:.3f}, 60% -> {share_b:.3f}"
+    )
+    assert 0.2 <= share_a <= 0.4, (share_a, share_b)
+    assert 0.45 <= share_b <= 0.72, (share_a, share_b)
+
+
+@pytest.mark.timeout(60)
+def test_host_pid_told_apart_when_contexts_are_created_together(tmp_path: Path) -> None:
+    """Each process finds its own host pid among the two new ones, and the context
+    memory NVML showed for that pid is what it is charged (300 MiB, not an estimate)."""
+    tenant = {
+        "VGPU_MEMORY_LIMIT_MIB": 1024, "VGPU_CONTEXT_OVERHEAD_MIB": 100,
+        "FAKE_CUDA_CTX_OVERHEAD_MIB": 300, "VGPU_LOG_LEVEL": "trace",
+    }  # fmt: skip
+    ops = ("ctx", 0, "info", "sleep", 300)
+    started = start_together(tmp_path, {"a": (ops, tenant), "b": (ops, tenant)})
+    for proc, host_pid in started.values():
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert f"host pid {host_pid}" in err, err
+        assert "could not tell" not in err
+        assert json.loads(out.splitlines()[1])["free"] == 724 * MIB
+
+
+@pytest.mark.timeout(60)
+def test_host_pid_told_later_when_the_other_new_process_exits(tmp_path: Path) -> None:
+    """No marker can tell them apart (no per-process memory), so the compute
+    controller keeps the two new pids and tries again: once the other exits, the
+    one left is ours, and nothing was said about throttling on the whole card."""
+    no_memory = {"FAKE_NVML_NO_PROCESS_MEMORY": 1}
+    started = start_together(
+        tmp_path,
+        {
+            # The other leaves after 0.5 s, while ours launches (its controller running).
+            "a": (("ctx", 0, "sleep", 500), {"VGPU_MEMORY_LIMIT_MIB": 1024, **no_memory}),
+            "b": (
+                ("ctx", 0, "launch", 2),
+                {"VGPU_CORE_LIMIT": 90, "FAKE_CUDA_LAUNCH_US": 1000, "VGPU_LOG_LEVEL": "trace",
+                 **no_memory},
+            ),
+        },
+    )  # fmt: skip
+    (other, _), (ours, host_pid) = started["a"], started["b"]
+    other.communicate(timeout=30)
+    _, err = ours.communicate(timeout=30)
+    assert ours.returncode == 0, err
+    assert f"host pid {host_pid}, told later" in err, vgpu_lines(err)
+    assert not vgpu_lines(err), vgpu_lines(err)
+
+
+@pytest.mark.timeout(60)
+def test_without_process_memory_an_unresolved_race_says_why(tmp_path: Path) -> None:
+    """Where NVML does not report per-process memory a marker allocation shows
+    nothing: the one line says so (and names what is lost) instead of guessing."""
+    tenant = {"VGPU_MEMORY_LIMIT_MIB": 1024, "FAKE_NVML_NO_PROCESS_MEMORY": 1}
+    ops = ("ctx", 0, "sleep", 300)
+    started = start_together(tmp_path, {"a": (ops, tenant), "b": (ops, tenant)})
+    for proc, _ in started.values():
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        lines = vgpu_lines(err)
+        assert len(lines) == 1 and "could not tell" in lines[0], err
+        assert "usedGpuMemory" in lines[0], err
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "ops",
