@@ -28,6 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
+ACCEPT_BATCH = 8
+LISTEN_BACKLOG = 128
+
 # path -> (status, content type, body)
 Handler = Callable[[str], tuple[int, str, bytes]]
 
@@ -114,11 +117,14 @@ class BoundedHttpServer:
                 self._serve,
                 sock=self._sock,
                 limit=self.limits.max_header_bytes,
-                # Also how many asyncio accepts in one go: a short queue makes
-                # clients wait a SYN retry (1 s) each time it overflows.
-                backlog=min(128, 4 * self.max_connections),
+                # How many connections asyncio accepts in one go, before any of
+                # them is admitted or evicted: each holds a descriptor until then.
+                backlog=ACCEPT_BATCH,
             )
         )
+        # The kernel's queue stays long: an overflow makes a client (a liveness
+        # probe) wait a SYN retry of 1 s.
+        self._sock.listen(LISTEN_BACKLOG)
         ready.set()
         try:
             loop.run_forever()
@@ -148,6 +154,8 @@ class BoundedHttpServer:
             if victim is None:
                 return False
             self._evict(victim)
+        # The open-file limit may change while the daemon runs (prlimit).
+        self.max_connections = connection_cap(self.limits.max_connections)
         if len(self._conns) > self.max_connections:
             victim = next((c for c in self._conns.values() if c.reading and c is not conn), None)
             if victim is None:
