@@ -161,6 +161,17 @@ def test_assignment_for_another_node_is_not_trusted() -> None:
     assert core_used(b, "n") == [30, 0]
 
 
+def test_forged_card_lists_count_no_more_than_the_pods_own_request() -> None:
+    """Pod annotations are writable by the pod's owner: a slice or one whole
+    card that claims to sit on every card must not make the node look full."""
+    b = book("n", n=4)
+    everywhere = tuple(uuid(i) for i in range(4))
+    b.set_pod(pod((100, 0), node="n", placements={"c0": everywhere}))
+    b.set_pod(pod((30, 10), node="n", assignment=Assignment("n", {"c0": everywhere})))
+    assert sum(core_used(b, "n")) == 130  # one whole card and one slice, nothing more
+    assert b.filter(specs((200, 0)), ["n"]).passed == ["n"]  # two cards are still free
+
+
 def test_a_pod_bound_before_its_node_is_known_is_counted_when_it_appears() -> None:
     b = ClusterBook(DOMAIN)
     b.set_pod(pod((40, 10), node="late", placements={"c0": (uuid(1),)}))

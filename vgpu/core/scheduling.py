@@ -56,9 +56,14 @@ class PodInfo:
             else {}
         )
         for spec in self.specs:
-            cards = self.placements.get(spec.container) or assigned.get(spec.container)
-            if cards:
-                out[spec.container] = cards
+            # Annotations are writable by the pod's owner: a card list that is
+            # not the container's own size is ignored, so that a forged one
+            # counts no more than the pod's request (the node's policy places it).
+            size = spec.request.whole_cards or 1
+            for cards in (self.placements.get(spec.container), assigned.get(spec.container)):
+                if cards and len(cards) == size and len(set(cards)) == size:
+                    out[spec.container] = cards
+                    break
         return out
 
 
