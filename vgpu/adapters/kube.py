@@ -189,8 +189,9 @@ def _assigned_cards(
     return dict(assignment.containers)
 
 
-def core_v1_api(kubeconfig: Path | None) -> Any:
-    """A CoreV1Api for the kubeconfig file, or the in-cluster service account."""
+def api_client(kubeconfig: Path | None) -> Any:
+    """An ApiClient for the kubeconfig file, or the in-cluster service account;
+    no client-side retries (callers decide what a failure means)."""
     from kubernetes import client, config
 
     cfg = client.Configuration()
@@ -199,7 +200,14 @@ def core_v1_api(kubeconfig: Path | None) -> Any:
     else:
         config.load_incluster_config(client_configuration=cfg)
     cfg.retries = False
-    return client.CoreV1Api(client.ApiClient(cfg))
+    return client.ApiClient(cfg)
+
+
+def core_v1_api(kubeconfig: Path | None) -> Any:
+    """A CoreV1Api for the kubeconfig file, or the in-cluster service account."""
+    from kubernetes import client
+
+    return client.CoreV1Api(api_client(kubeconfig))
 
 
 def _rv_number(meta: dict[str, Any]) -> int:

@@ -31,13 +31,13 @@ from vgpu.adapters.dra.kube import ClaimCache, ClaimSource, SlicePort, SlicePubl
 from vgpu.adapters.dra.plugin import (
     DraServicer,
     RegistrationServicer,
-    UnixServer,
     dra_server,
     registration_server,
 )
 from vgpu.adapters.dra.state import ClaimStore
 from vgpu.adapters.fs import ContainerStore
 from vgpu.adapters.gpus import GpuBackend
+from vgpu.adapters.unixgrpc import UnixServer
 from vgpu.config import Settings
 from vgpu.core.dra import device_name, driver_name
 from vgpu.core.errors import ConfigError

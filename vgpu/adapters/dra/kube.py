@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from vgpu.adapters.kube import api_client
 from vgpu.core.dra import resource_slice, slice_name
 
 log = logging.getLogger(__name__)
@@ -51,15 +52,9 @@ class SlicePort(Protocol):
 
 def resource_api(kubeconfig: Path | None) -> Any:
     """A ResourceV1Api on the kubeconfig, or on the in-cluster service account."""
-    from kubernetes import client, config
+    from kubernetes import client
 
-    cfg = client.Configuration()
-    if kubeconfig is not None:
-        config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
-    else:
-        config.load_incluster_config(client_configuration=cfg)
-    cfg.retries = False
-    return client.ResourceV1Api(client.ApiClient(cfg))
+    return client.ResourceV1Api(api_client(kubeconfig))
 
 
 def _read_json(reply: Any) -> Any:

@@ -14,13 +14,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 
+from vgpu.adapters.unixgrpc import UnixServer
 from vgpu.core.dra import ClaimRef, PreparedDevice
 from vgpu.pb import dra_v1_pb2 as pb
 from vgpu.pb import dra_v1_pb2_grpc as pb_grpc
@@ -168,46 +168,6 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
             log.error("the kubelet refused the registration of %s: %s", self.driver, request.error)
             self.registered.clear()
         return reg.RegistrationStatusResponse()
-
-
-class UnixServer:
-    """One gRPC service on a Unix socket; the socket is removed at stop."""
-
-    def __init__(
-        self,
-        socket_path: Path,
-        add: Callable[[grpc.Server], None],
-        name: str,
-        workers: int = 8,
-    ) -> None:
-        self.socket_path = socket_path
-        self.add = add
-        self.name = name
-        self.workers = workers
-        self._server: grpc.Server | None = None
-
-    def start(self) -> None:
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
-        if self.socket_path.exists() or self.socket_path.is_socket():
-            self.socket_path.unlink()
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix=self.name),
-            maximum_concurrent_rpcs=self.workers * 4,
-            options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)],
-        )
-        self.add(server)
-        server.add_insecure_port(f"unix://{self.socket_path}")
-        server.start()
-        self._server = server
-
-    def stop(self, grace_s: float = 0.5) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            server.stop(grace_s).wait(grace_s + 1.0)
-        try:
-            self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
 
 
 def dra_server(servicer: DraServicer, socket_path: Path) -> UnixServer:

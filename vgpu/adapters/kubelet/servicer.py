@@ -11,13 +11,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 import grpc
 
+from vgpu.adapters.unixgrpc import UnixServer
 from vgpu.core.contract import ContainerEdits
 from vgpu.core.errors import (
     ApiUnavailable,
@@ -305,38 +305,16 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         return self._guard("PreStartContainer", context, run)
 
 
-class PluginServer:
+class PluginServer(UnixServer):
     """One resource's gRPC server on its Unix socket in the device-plugin directory."""
 
     def __init__(self, servicer: DevicePluginServicer, socket_path: Path, workers: int = 8) -> None:
         self.servicer = servicer
-        self.socket_path = socket_path
-        self.workers = workers
-        self._server: grpc.Server | None = None
 
-    def start(self) -> None:
-        if self.socket_path.exists() or self.socket_path.is_socket():
-            self.socket_path.unlink()
-        server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=self.workers, thread_name_prefix=f"grpc-{self.servicer.resource.value}"
-            ),
-            maximum_concurrent_rpcs=self.workers * 4,
-            options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)],
-        )
-        pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
-        server.add_insecure_port(f"unix://{self.socket_path}")
-        server.start()
-        self._server = server
+        def add(server: grpc.Server) -> None:
+            pb_grpc.add_DevicePluginServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
 
-    def stop(self, grace_s: float = 0.5) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            server.stop(grace_s).wait(grace_s + 1.0)
-        try:
-            self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
+        super().__init__(socket_path, add, f"grpc-{servicer.resource.value}", workers)
 
 
 class RegistrationError(Exception):
