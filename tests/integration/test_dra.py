@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,6 +22,7 @@ from tests.conftest import MockGpusFile, cards
 from vgpu.adapters import budget
 from vgpu.cli.status import collect
 from vgpu.sim.draharness import DraSimNode
+from vgpu.sim.faults import SmallDisk
 from vgpu.sim.harness import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,6 +37,8 @@ class Factory(Protocol):
         *,
         wipe_delay_s: float | None = 30.0,
         hook: bool = True,
+        hook_dir: Path | None = None,
+        extra: Sequence[str] = (),
     ) -> DraSimNode: ...
 
 
@@ -44,15 +47,20 @@ def make_dra(short_tmp: Path) -> Iterator[Factory]:
     nodes: list[DraSimNode] = []
 
     def factory(
-        gpus: str | Path = "preset:2xH200", *, wipe_delay_s: float | None = 30.0, hook: bool = True
+        gpus: str | Path = "preset:2xH200",
+        *,
+        wipe_delay_s: float | None = 30.0,
+        hook: bool = True,
+        hook_dir: Path | None = None,
+        extra: Sequence[str] = (),
     ) -> DraSimNode:
         root = short_tmp / f"d{len(nodes)}"
         root.mkdir()
-        args: list[str] = []
+        args: list[str] = list(extra)
         if hook:
             library = root / "libvgpu.so"
             library.write_bytes(b"\x7fELF stand-in hook library")
-            args = ["--hook-library", str(library), "--hook-dir", str(root / "hook")]
+            args += ["--hook-library", str(library), "--hook-dir", str(hook_dir or root / "hook")]
         node = DraSimNode(root, gpus=gpus, daemon_args=args, wipe_delay_s=wipe_delay_s)
         nodes.append(node)
         node.start(timeout_s=15.0)
@@ -167,6 +175,45 @@ def test_prepared_claims_carry_the_limits_the_scheduler_allocated(make_dra: Fact
     assert len(spec_files) == 3
     spec = json.loads((dra.cdi_dir / spec_files[0]).read_text())
     assert spec["kind"] == "vendor.io/vgpu" and spec["cdiVersion"]
+
+
+def test_the_context_estimate_reaches_sliced_claims_only(make_dra: Factory) -> None:
+    """The same contract as Allocate: `context_overhead_mib` goes to the hook."""
+    dra = make_dra(extra=("--context-overhead-mib", "512"))
+    dra.claim("slice", {"cores": "30", "memory": "10Gi"})
+    dra.claim("whole", {"cores": "100"})
+    run = dra.run_pod("p", ["slice", "whole"])
+    assert run.ok, run.reply
+    assert run.edits["slice"].env["VGPU_CONTEXT_OVERHEAD_MIB"] == "512"
+    assert "VGPU_CONTEXT_OVERHEAD_MIB" not in run.edits["whole"].env
+
+
+@pytest.mark.timeout(60)
+def test_a_full_hook_disk_refuses_sliced_claims_by_name_until_it_frees(
+    make_dra: Factory, short_tmp: Path
+) -> None:
+    """Start-up on a full disk serves (no exit 2, no crash loop); sliced claims
+    are refused with the disk's error, whole cards are prepared, and the hook is
+    installed at the first prepare after the disk frees."""
+    hook_dir = short_tmp / "hookdisk"
+    with SmallDisk(hook_dir, size_mib=1) as disk:
+        disk.fill()
+        dra = make_dra(hook_dir=hook_dir)
+        assert dra.proc is not None and dra.proc.poll() is None
+        dra.claim("slice", {"cores": "30", "memory": "10Gi"})
+        dra.claim("whole", {"cores": "100"})
+        refused = dra.run_pod("p1", ["slice", "whole"])
+        error = refused.error("slice")
+        assert "install the hook library" in error and "ENOSPC" in error, error
+        assert refused.error("whole") == ""
+        assert not any(hook_dir.glob("libvgpu-*.so"))
+        disk.free()
+        dra.claim("later", {"cores": "30", "memory": "10Gi"})
+        run = dra.run_pod("p2", ["later"])
+        assert run.ok, run.reply
+        assert run.edits["later"].env["LD_PRELOAD"].startswith("/usr/local/vgpu/libvgpu-")
+        assert any(hook_dir.glob("libvgpu-*.so"))
+        assert dra.stop_daemon(signal.SIGTERM, timeout_s=5.0) == 0, dra.log()[-3000:]
 
 
 def test_prepare_is_idempotent_and_unprepare_removes_everything(dra: DraSimNode) -> None:

@@ -40,12 +40,12 @@ from vgpu.adapters.gpus import GpuBackend
 from vgpu.adapters.unixgrpc import UnixServer
 from vgpu.config import Settings
 from vgpu.core.dra import device_name, driver_name
-from vgpu.core.errors import ConfigError
+from vgpu.core.errors import ConfigError, StateUnwritable
 from vgpu.daemon.draservice import DraOptions, DraService
 from vgpu.daemon.wiring import (
     budget_watch,
     build_backend,
-    install_hook_library,
+    hook_installer,
     run,
     usage_loop,
     watch_backend,
@@ -123,6 +123,7 @@ class DraDaemon:
                 node=node,
                 memory_unit_mib=s.memory_unit_mib,
                 ignored_xids=s.ignored_xids,
+                context_overhead_mib=s.context_overhead_mib,
             ),
             ContainerStore(dra_dir, s.memory_unit_mib),
             ClaimStore(dra_dir, s.memory_unit_mib),
@@ -185,12 +186,21 @@ class DraDaemon:
                 card.numa_node,
             )
         self.service.set_cards(cards)
-        hook = install_hook_library(s)
-        if hook is not None:
-            self.service.options = DraOptions(
-                **{**self.service.options.__dict__, "hook_path": hook}
+        self.service.hook_installer = hook_installer(s)
+        try:
+            self.service.ensure_hook()
+        except StateUnwritable as exc:
+            log.error("%s; sliced claims are refused until then (retried at each prepare)", exc)
+        try:
+            self.service.recover()
+        except OSError as exc:
+            # Serve anyway: each claim's prepare names the disk's error until it recovers.
+            log.error(
+                "cannot recover prepared claims from %s (%s); serving, and prepares that need "
+                "the disk are refused by name until it takes writes",
+                s.state_dir,
+                os.strerror(exc.errno or 0),
             )
-        self.service.recover()
         self.claims.start(self.stop)
         self.slices.start(self.stop)
         if s.metrics_address:

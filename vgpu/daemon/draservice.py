@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from vgpu.core.dra import (
     grants,
     slice_devices,
 )
-from vgpu.core.errors import InvalidRequest, VgpuError
+from vgpu.core.errors import InvalidRequest, VgpuError, state_error
 from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
 from vgpu.core.model import Card, CardUuid, Placement
 
@@ -55,6 +55,7 @@ class DraOptions:
     memory_unit_mib: int
     ignored_xids: tuple[int, ...]
     hook_path: Path | None = None
+    context_overhead_mib: int = 0  # per-card context estimate passed to the hook
 
     @property
     def driver(self) -> str:
@@ -89,6 +90,8 @@ class DraService:
         self.readings: dict[CardUuid, CardReading] = {}
         self._lock = threading.RLock()  # cards, prepared, the lock table: never held for I/O
         self._claim_locks: dict[str, threading.Lock] = {}
+        self.hook_installer: Callable[[], Path] | None = None
+        self._hook_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prepare")
 
     # ------------------------------------------------------------ cards
@@ -232,6 +235,8 @@ class DraService:
                             f"which is unhealthy ({why}); delete the pod so that its claim is "
                             "allocated on a healthy card"
                         )
+            if any(not grant.whole for grant in given):
+                self.ensure_hook()
             record = self._record(ref, view, mine, given, cards, signature)
             if known is not None:  # allocated anew under the same UID: drop the old files
                 self._remove_files(known, keep=record)
@@ -285,6 +290,7 @@ class DraService:
                 config_dir=str(paths.config_dir),
                 shared_dir=str(paths.shared_dir),
                 hook_path=str(hook) if hook is not None else None,
+                context_overhead_mib=self.options.context_overhead_mib,
             )
             devices.append(
                 PreparedDevice(
@@ -356,6 +362,26 @@ class DraService:
             log.info("unprepared claim %s (%s)", record.claim.shown, ref.uid)
             self.events("unprepared", {"claim": ref.uid})
         return out
+
+    def ensure_hook(self) -> None:
+        """Install the hook library if start-up could not (a full or read-only
+        disk); StateUnwritable names the cause, and the claim is refused with it."""
+        if self.hook_installer is None or self.options.hook_path is not None:
+            return
+        with self._hook_lock:
+            if self.options.hook_path is not None:
+                return
+            try:
+                hook = self.hook_installer()
+            except OSError as exc:
+                raise state_error(
+                    exc.errno,
+                    str(exc.filename or "the hook directory"),
+                    "install the hook library",
+                    exc.strerror or "",
+                ) from exc
+            self.options = replace(self.options, hook_path=hook)
+            log.info("hook library installed as %s", hook)
 
     # ---------------------------------------------------------- start-up
 

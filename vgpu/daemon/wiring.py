@@ -90,19 +90,23 @@ def build_pods(settings: Settings, on_gone: Callable[[], None]) -> PodSource:
     return KubePodCache(settings.node_name, settings.resource_domain, settings.kubeconfig, on_gone)
 
 
-def install_hook_library(settings: Settings) -> Path | None:
-    """Install the hook library (both modes); ConfigError naming the keys on failure."""
-    if settings.hook_library is None:
+def hook_installer(settings: Settings) -> Callable[[], Path] | None:
+    """What installs the hook library (both modes), None without one.
+
+    A library that cannot be read is a configuration error (ConfigError naming
+    the key); a disk that refuses the install is not: each mode retries it and
+    refuses sliced containers by name meanwhile.
+    """
+    library, hook_dir = settings.hook_library, settings.hook_dir
+    if library is None:
         return None
     try:
-        hook = install_hook(settings.hook_library, settings.hook_dir, __version__)
+        library.read_bytes()
     except OSError as exc:
         raise ConfigError(
-            f"cannot install the hook library {settings.hook_library} into {settings.hook_dir}: "
-            f"{exc.strerror}; check hook_library / hook_dir"
+            f"cannot read the hook library {library}: {exc.strerror}; check hook_library"
         ) from exc
-    log.info("hook library installed as %s", hook)
-    return hook
+    return lambda: install_hook(library, hook_dir, __version__)
 
 
 def watch_backend(
@@ -273,8 +277,7 @@ class Daemon:
                 self.store.root,
                 os.strerror(exc.errno or 0),
             )
-        if s.hook_library is not None:
-            self._install_hook(s.hook_library, s.hook_dir)
+        self._install_hook()
         self.service.recover()
         self.pods.start(self.stop)
         self.node_publisher.start(self.stop)
@@ -292,27 +295,26 @@ class Daemon:
         self._spawn("budget-watch", self._budget_loop)
         self._spawn("state-retry", self._state_retry_loop)
 
-    def _install_hook(self, library: Path, hook_dir: Path) -> None:
+    def _install_hook(self) -> None:
         """Install the hook library; a disk that refuses does not stop start-up."""
+        self.service.hook_installer = hook_installer(self.settings)
+        if self.service.hook_installer is None:
+            return
         try:
-            library.read_bytes()
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot read the hook library {library}: {exc.strerror}; check hook_library"
-            ) from exc
-        self.service.hook_installer = lambda: install_hook(library, hook_dir, __version__)
-        try:
-            hook = install_hook(library, hook_dir, __version__)
+            hook = self.service.hook_installer()
         except OSError as exc:
             log.error(
                 "cannot install the hook library into %s (%s); sliced containers are refused "
                 "until it can be installed, which is retried every %.0f s",
-                hook_dir,
+                self.settings.hook_dir,
                 os.strerror(exc.errno or 0),
                 STATE_RETRY_S,
             )
             self.service.state_error = state_error(
-                exc.errno, str(hook_dir), "install the hook library", exc.strerror or ""
+                exc.errno,
+                str(self.settings.hook_dir),
+                "install the hook library",
+                exc.strerror or "",
             )
             return
         self.service.options = replace(self.service.options, hook_path=hook)
