@@ -158,3 +158,33 @@ def test_a_reused_resource_completes_its_container(memory_first: bool) -> None:
     placed = k.admit(other, [MEM, CORE], candidates=[other])
     assert placed.cards == (cards(2)[1].uuid,)
     assert len(placed.ids.get(MEM, ())) == 20  # both resources in one placement, on card 1
+
+
+@pytest.mark.parametrize("first", [MEM, CORE], ids=["memory-first", "core-first"])
+def test_a_container_placed_blind_never_lends_its_pairing_to_the_next_pod(first: Resource) -> None:
+    """Found by the 30-minute soak: a container's first resource is placed
+    without pod information; its second comes once the pod is known but the
+    daemon cannot tell by fact that it is the same container. The next pod, of
+    the same size, must not be taken for that container's second resource:
+    two pods would share one placement (and one directory)."""
+    other = CORE if first is MEM else MEM
+    led = Ledger(cards(2), memory_unit_mib=UNIT)
+    k = Kubelet(led)
+    a, b = spec(5, 4, created_s=1.0), spec(5, 4, created_s=2.0)
+    size = {CORE: 5, MEM: 4}
+    # a's first resource: Allocate without GetPreferredAllocation, no pod information.
+    a_first = k.available(first)[: size[first]]
+    led.allocate(first, a_first, [])
+    k.held |= set(a_first)
+    # a's second resource: the pod is known now, pairing by fact is not possible.
+    ids, _ = led.preferred(other, k.available(other), [], size[other], [a, b], blind_pairing=False)
+    led.allocate(other, ids, [a, b], blind_pairing=False)
+    k.held |= set(ids)
+    # b, the next pod: none of its IDs may share a placement with a's.
+    held_before = set(k.held)
+    k.admit(b, [first, other], candidates=[b])
+    b_ids = k.held - held_before
+    a_ids = set(a_first) | set(ids)
+    for p in led.placements.values():
+        mine = p.all_ids()
+        assert not (mine & a_ids and mine & b_ids), p

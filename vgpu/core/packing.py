@@ -410,7 +410,7 @@ class Ledger:
             return ids, released
 
         # A new container.
-        self._pending = None
+        previous, self._pending = self._pending, None
         if spec is not None:
             request = spec.request
             if spec.problem:
@@ -445,6 +445,21 @@ class Ledger:
             steered={resource},
             assigned=assigned,
         )
+        if (
+            spec is not None
+            and previous is not None
+            and previous.spec is None
+            and previous.key is not None
+            and previous.allocated
+            and resource not in previous.allocated
+            and all(spec.request.units(r) == previous.request.units(r) for r in previous.allocated)
+        ):
+            # The container placed just before without pod information got exactly
+            # what this one asks for its other resource: it may be this container
+            # (the daemon could not tell by fact). Then that resource is already
+            # placed, and the next call must never be taken for it: it may be
+            # another pod's. At worst this container's resources stay apart.
+            self._pending.allocated |= previous.allocated
         reused, self._reused_first = self._reused_first, None
         if spec is not None and reused is not None and reused[0] == spec.pod_uid:
             # This container's other resource came first, as its init containers' IDs.
