@@ -41,9 +41,10 @@ from vgpu.core.dra import (
     grants,
     slice_devices,
 )
-from vgpu.core.errors import InvalidRequest, VgpuError, state_error
+from vgpu.core.errors import InvalidRequest, VgpuError
 from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
 from vgpu.core.model import Card, CardUuid, Placement
+from vgpu.daemon.service import install_or_refuse
 
 log = logging.getLogger("vgpu")
 
@@ -371,17 +372,8 @@ class DraService:
         with self._hook_lock:
             if self.options.hook_path is not None:
                 return
-            try:
-                hook = self.hook_installer()
-            except OSError as exc:
-                raise state_error(
-                    exc.errno,
-                    str(exc.filename or "the hook directory"),
-                    "install the hook library",
-                    exc.strerror or "",
-                ) from exc
+            hook = install_or_refuse(self.hook_installer)
             self.options = replace(self.options, hook_path=hook)
-            log.info("hook library installed as %s", hook)
 
     # ---------------------------------------------------------- start-up
 

@@ -60,6 +60,22 @@ class ServiceOptions:
     context_overhead_mib: int = 0  # per-card context estimate passed to the hook
 
 
+def install_or_refuse(installer: Callable[[], Path], where: str | None = None) -> Path:
+    """Run a hook-library installer (both modes); a disk that refuses it is a
+    StateUnwritable naming the cause and `where` (else the file it failed on)."""
+    try:
+        hook = installer()
+    except OSError as exc:
+        raise state_error(
+            exc.errno,
+            where or str(exc.filename or "the hook directory"),
+            "install the hook library",
+            exc.strerror or "",
+        ) from exc
+    log.info("hook library installed as %s", hook)
+    return hook
+
+
 class PluginService:
     def __init__(
         self,
@@ -558,18 +574,11 @@ class PluginService:
     def _install_hook(self) -> None:
         assert self.hook_installer is not None
         try:
-            hook = self.hook_installer()
-        except OSError as exc:
-            error = state_error(
-                exc.errno,
-                str(exc.filename or "the hook directory"),
-                "install the hook library",
-                exc.strerror or "",
-            )
+            hook = install_or_refuse(self.hook_installer)
+        except StateUnwritable as error:
             self._note_state(error)
-            raise error from exc
+            raise
         self.options = replace(self.options, hook_path=hook)
-        log.info("hook library installed as %s", hook)
 
     def answer(self, placement: Placement) -> AllocationAnswer:
         paths = self.store.paths(placement.key)

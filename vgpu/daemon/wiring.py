@@ -46,11 +46,11 @@ from vgpu.adapters.kubelet.servicer import (
 from vgpu.adapters.nvml import NvmlBackend
 from vgpu.adapters.podresources import PodResourcesClient
 from vgpu.config import Settings
-from vgpu.core.errors import ConfigError, state_error
+from vgpu.core.errors import ConfigError, StateUnwritable
 from vgpu.core.health import HealthEvent
 from vgpu.core.model import Card, CardUuid, Resource
 from vgpu.daemon.lifecycle import stop_on_signals
-from vgpu.daemon.service import PluginService, ServiceOptions
+from vgpu.daemon.service import PluginService, ServiceOptions, install_or_refuse
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
 
 log = logging.getLogger("vgpu")
@@ -301,24 +301,17 @@ class Daemon:
         if self.service.hook_installer is None:
             return
         try:
-            hook = self.service.hook_installer()
-        except OSError as exc:
+            hook = install_or_refuse(self.service.hook_installer, str(self.settings.hook_dir))
+        except StateUnwritable as error:
             log.error(
-                "cannot install the hook library into %s (%s); sliced containers are refused "
-                "until it can be installed, which is retried every %.0f s",
-                self.settings.hook_dir,
-                os.strerror(exc.errno or 0),
+                "%s; sliced containers are refused until it can be installed, which is "
+                "retried every %.0f s",
+                error.message,
                 STATE_RETRY_S,
             )
-            self.service.state_error = state_error(
-                exc.errno,
-                str(self.settings.hook_dir),
-                "install the hook library",
-                exc.strerror or "",
-            )
+            self.service.state_error = error
             return
         self.service.options = replace(self.service.options, hook_path=hook)
-        log.info("hook library installed as %s", hook)
 
     def _state_retry_loop(self) -> None:
         """Write what a full, read-only or descriptor-starved disk refused, as
