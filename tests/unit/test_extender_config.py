@@ -73,8 +73,8 @@ def test_cli_exits_2_with_one_line_without_an_api_server(tmp_path: Path) -> None
     ]
 
 
-def test_readme_documents_the_extender_only_keys() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_docs_document_the_extender_only_keys() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "scheduling.md").read_text()
     defaults = ExtenderSettings().public()
     for key in ("listen", "bind_timeout_s"):
         row = f"| `{key}` | `{defaults[key]}` | {EXTENDER_KEYS[key]} |"

@@ -1,4 +1,4 @@
-"""The README's config reference stays in step with vgpu.config.KEYS."""
+"""docs/configuration.md (the config reference) stays in step with vgpu.config.KEYS."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from vgpu.config import KEYS, Settings
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 ROW = re.compile(r"^\| `(\w+)` \| (.+?) \| (.+) \|$")
 
 
