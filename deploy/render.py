@@ -307,7 +307,11 @@ def chart_schema() -> dict[str, Any]:
                         {
                             "enabled": BOOL,
                             "issuerRef": _obj(
-                                {"name": STR, "kind": {"enum": ["Issuer", "ClusterIssuer"]}, "group": STR}
+                                {
+                                    "name": STR,
+                                    "kind": {"enum": ["Issuer", "ClusterIssuer"]},
+                                    "group": STR,
+                                }
                             ),
                         }
                     ),
