@@ -156,12 +156,14 @@ def test_build_commands_name_buildkit() -> None:
     # RUN --mount needs BuildKit; Debian's Docker 20.10 builds without it by default.
     assert "--mount=" in DOCKERFILE.read_text()
     for path in (DOCKERFILE, ROOT / "README.md", ROOT / "docs" / "install.md"):
-        commands = re.findall(r"^\W*(.*docker (?:buildx )?build .*)$", path.read_text(), re.MULTILINE)
+        commands = re.findall(
+            r"^\W*(.*docker (?:buildx )?build .*)$", path.read_text(), re.MULTILINE
+        )
         assert commands, f"{path.name} shows no build command"
         for command in commands:
-            assert "DOCKER_BUILDKIT=1 docker build" in command or "docker buildx build" in command, (
-                f"{path.name}: {command}"
-            )
+            assert (
+                "DOCKER_BUILDKIT=1 docker build" in command or "docker buildx build" in command
+            ), f"{path.name}: {command}"
 
 
 def test_both_pip_steps_use_the_constraints() -> None:
@@ -172,9 +174,9 @@ def test_both_pip_steps_use_the_constraints() -> None:
         for rest in pips:
             step = rest.split("&&")[0] if "pip install" in rest else rest
             assert re.search(r"-c \S*constraints\.txt", step), rest
-    assert any(
-        word == "COPY" and rest.split() == [".", "."] for word, rest in build
-    ), "the build stage copies the repository, constraints.txt included"
+    assert any(word == "COPY" and rest.split() == [".", "."] for word, rest in build), (
+        "the build stage copies the repository, constraints.txt included"
+    )
 
 
 def test_runtime_drops_pip_and_caches_then_smoke_tests_the_dependencies() -> None:
@@ -184,7 +186,14 @@ def test_runtime_drops_pip_and_caches_then_smoke_tests_the_dependencies() -> Non
     imports = re.search(r'python -c "import ([^"]+)"', runs)
     assert imports, "no import smoke test"
     modules = {m.strip() for m in imports.group(1).split(",")}
-    assert {"grpc", "google.protobuf", "kubernetes", "pynvml", "prometheus_client", "yaml"} <= modules
+    assert {
+        "grpc",
+        "google.protobuf",
+        "kubernetes",
+        "pynvml",
+        "prometheus_client",
+        "yaml",
+    } <= modules
     assert "vgpu demo" in runs
     # Smoke tests run after pip is gone: they prove the runtime needs none of it.
     assert runs.index("pip uninstall") < runs.index("import grpc") < runs.index("vgpu demo")
