@@ -100,7 +100,9 @@ def render(values: dict[str, Any], name: str = "vgpu", namespace: str = NAMESPAC
     chart = helm_python.Chart.load(CHART)
     out = chart.render(values, name=name, namespace=namespace)
     docs: list[str] = []
-    for _, text in sorted(out.items()):
+    for template, text in sorted(out.items()):
+        if not template.endswith(".yaml"):
+            continue  # NOTES.txt
         for chunk in ("\n" + text).split("\n---\n"):
             if yaml.safe_load(chunk) is not None:
                 docs.append(chunk.strip("\n") + "\n")
