@@ -51,6 +51,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("serviceaccount", ("ServiceAccount",)),
     ("rbac", ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")),
     ("configmap", ("ConfigMap",)),
+    ("lease", ("Lease",)),
     ("service", ("Service",)),
     ("daemonset", ("DaemonSet",)),
     ("deployment", ("Deployment",)),

@@ -663,3 +663,24 @@ def test_render_script_runs_as_make_deploy_does() -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_leader_election_lease_belongs_to_the_release() -> None:
+    # Rendered empty so that `helm uninstall` removes what kube-scheduler fills in.
+    objects = render({"scheduler": {"name": "gpu-scheduler"}}, namespace="gpu-ops")
+    ksc = yaml.safe_load(
+        one(objects, "ConfigMap", "vgpu-scheduler-config")["data"]["scheduler-config.yaml"]
+    )
+    election = ksc["leaderElection"]
+    lease = one(objects, "Lease")
+    assert (
+        (lease["metadata"]["namespace"], lease["metadata"]["name"])
+        == (
+            election["resourceNamespace"],
+            election["resourceName"],
+        )
+        == ("gpu-ops", "gpu-scheduler")
+    )
+    assert lease["spec"] == {}  # the holder fields stay kube-scheduler's
+    role = one(objects, "Role", "vgpu-scheduler-leader-election")
+    assert any(r.get("resourceNames") == ["gpu-scheduler"] for r in role["rules"])
