@@ -684,3 +684,25 @@ def test_the_leader_election_lease_belongs_to_the_release() -> None:
     assert lease["spec"] == {}  # the holder fields stay kube-scheduler's
     role = one(objects, "Role", "vgpu-scheduler-leader-election")
     assert any(r.get("resourceNames") == ["gpu-scheduler"] for r in role["rules"])
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("resource_domain", "gpu.example.com", "resourceDomain"),
+        ("metrics_address", "0.0.0.0:9999", "daemon.metricsPort"),
+        ("mode", "dra", "mode"),
+        ("state_dir", "/data/vgpu", "mounts this path"),
+        ("device_plugin_dir", "/k/device-plugins", "mounts this path"),
+    ],
+)
+def test_config_keys_the_chart_owns_are_refused_with_the_value_to_use(
+    key: str, value: str, named: str
+) -> None:
+    # A config key that would contradict a mount, a port or a top-level value
+    # fails the install naming both, instead of a daemon that cannot start.
+    chart = helm_python.Chart.load(CHART)
+    with pytest.raises(
+        helm_python.HelmError, match=rf"daemon\.config\.{key}: .*{re.escape(named)}"
+    ):
+        chart.render({"daemon": {"config": {key: value}}}, name="vgpu", namespace=NS)
