@@ -706,3 +706,24 @@ def test_config_keys_the_chart_owns_are_refused_with_the_value_to_use(
         helm_python.HelmError, match=rf"daemon\.config\.{key}: .*{re.escape(named)}"
     ):
         chart.render({"daemon": {"config": {key: value}}}, name="vgpu", namespace=NS)
+
+
+@pytest.mark.parametrize("combo", COMBO_IDS)
+def test_every_workload_keeps_the_narrow_security_settings(combo: str) -> None:
+    for obj in RENDERED[combo]:
+        if obj["kind"] not in ("DaemonSet", "Deployment"):
+            continue
+        spec = obj["spec"]["template"]["spec"]
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for key in ("hostNetwork", "hostPID", "hostIPC"):
+            assert not spec.get(key), (obj["metadata"]["name"], key)
+        if obj["kind"] == "Deployment":  # only the node daemon needs root (kubelet's files)
+            assert spec["securityContext"]["runAsNonRoot"] is True
+        for container in spec["containers"]:
+            sc = container["securityContext"]
+            where = (obj["metadata"]["name"], container["name"])
+            assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False, where
+            assert sc["readOnlyRootFilesystem"] is True, where
+            assert sc["capabilities"] == {"drop": ["ALL"]}, where
+            assert set(container["resources"]["limits"]) == {"cpu", "memory"}, where
+            assert container["livenessProbe"] and container["readinessProbe"], where
