@@ -765,3 +765,34 @@ def test_kustomize_builds_each_deploy_directory(directory: str) -> None:
     assert sorted(_identity(o) for o in yaml.safe_load_all(built.stdout) if o) == sorted(
         _identity(o) for o in objects
     )
+
+
+def test_dashboard_layout_is_well_formed() -> None:
+    dashboard = json.loads((CHART / "dashboards" / "vgpu.json").read_text())
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    cells: set[tuple[int, int]] = set()
+    for panel in dashboard["panels"]:
+        pos = panel["gridPos"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24, panel["title"]
+        mine = {
+            (x, y)
+            for x in range(pos["x"], pos["x"] + pos["w"])
+            for y in range(pos["y"], pos["y"] + pos["h"])
+        }
+        assert not mine & cells, f"{panel['title']} overlaps another panel"
+        cells |= mine
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert variables == {"datasource", "instance"}
+
+
+def test_chart_versions_follow_the_package() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = (ROOT / "pyproject.toml").read_text()
+    version = re.search(r'^version = "([^"]+)"', project, re.MULTILINE)
+    assert version and chart["appVersion"] == version.group(1)
+    assert chart["apiVersion"] == "v2"
+    image = one(render({}), "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image.endswith(f":{chart['appVersion']}")
