@@ -112,6 +112,9 @@ def test_helm_lint_is_clean() -> None:
 _VALID: set[tuple[str, str]] = set()
 
 
+# The first objects of each kind load that version's JSON schemas: seconds
+# alone, minutes on a loaded machine.
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("combo", COMBO_IDS)
 def test_every_combination_renders_valid_objects(combo: str) -> None:
     objects = RENDERED[combo]
