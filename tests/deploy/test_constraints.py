@@ -8,6 +8,7 @@ so it runs when VGPU_NETWORK_TESTS=1.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -24,6 +25,12 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[2]
 CONSTRAINTS = ROOT / "constraints.txt"
 
+_spec = importlib.util.spec_from_file_location("freeze", ROOT / "tools" / "freeze_constraints.py")
+assert _spec and _spec.loader
+freeze = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(freeze)
+runtime_requirements = freeze.runtime_requirements
+
 
 def pins() -> dict[str, Version]:
     out: dict[str, Version] = {}
@@ -37,25 +44,6 @@ def pins() -> dict[str, Version]:
         assert key not in out, f"{name} pinned twice"
         out[key] = Version(version)
     return out
-
-
-def runtime_requirements() -> list[tuple[str, Requirement]]:
-    """(who requires, requirement) over the closure of vgpu's runtime dependencies."""
-    found: list[tuple[str, Requirement]] = []
-    seen: set[str] = set()
-    todo = ["vgpu"]
-    while todo:
-        name = todo.pop()
-        for text in metadata.distribution(name).requires or []:
-            req = Requirement(text)
-            if req.marker and not req.marker.evaluate({"extra": ""}):
-                continue  # an extra (vgpu[test]) or another platform's dependency
-            found.append((name, req))
-            key = canonicalize_name(req.name)
-            if key not in seen:
-                seen.add(key)
-                todo.append(req.name)
-    return found
 
 
 def test_every_runtime_dependency_is_pinned_exactly() -> None:
@@ -85,6 +73,7 @@ def test_pins_satisfy_pyproject_and_match_what_the_tests_run_on() -> None:
         req = Requirement(text)
         assert req.specifier.contains(pinned[canonicalize_name(req.name)]), text
     # The suite runs against the pinned versions, so the image gets what was tested.
+    assert CONSTRAINTS.read_text() == freeze.frozen(), "run `make constraints`"
     for name, version in pinned.items():
         assert Version(metadata.version(name)) == version, (
             f"{name}: installed {metadata.version(name)}, pinned {version}; "
