@@ -95,15 +95,29 @@ def test_render_check_names_a_stale_file(tmp_path: Path) -> None:
     assert render_module.stale(changed) == [str(path.relative_to(ROOT))]
 
 
-def test_helm_lint_is_clean() -> None:
+LINTED = [
+    {},
+    {"mode": "dra"},
+    {"monitoring": MONITORING_ON, "scheduler": {"enabled": False}},
+    {"webhook": {"certManager": {"enabled": True}}},
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("values", LINTED, ids=[json.dumps(v) for v in LINTED])
+def test_helm_lint_is_clean(values: dict[str, Any]) -> None:
     for version in ("v1.30.0", "v1.37.0"):
-        report = helm_python.lint(CHART, strict=True, kube_version=version, namespace=NS)
+        report = helm_python.lint(CHART, values, strict=True, kube_version=version, namespace=NS)
         assert report["errors"] == []
+        # Severity 1 is information only ("icon is recommended").
         assert [m for m in report["messages"] if m["severity"] >= 2] == []
-        assert (
-            helm_python.lint(CHART, {"mode": "dra"}, strict=True, kube_version=version)["errors"]
-            == []
-        )
+
+
+def test_helm_lint_reports_a_broken_value() -> None:
+    report = helm_python.lint(CHART, {"webhook": {"enabld": True}}, strict=True, namespace=NS)
+    assert any("enabld" in m["error"] for m in report["messages"] if m["severity"] >= 3) or any(
+        "enabld" in e for e in report["errors"]
+    )
 
 
 # ------------------------------------------------------ every combination
