@@ -820,3 +820,23 @@ def test_chart_versions_follow_the_package() -> None:
     assert chart["apiVersion"] == "v2"
     image = one(render({}), "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["image"]
     assert image.endswith(f":{chart['appVersion']}")
+
+
+def _render_with_api_versions(values: dict[str, Any], api_versions: list[str]) -> str:
+    # Chart.render does not expose Helm's --api-versions; the native call it wraps does.
+    from helm_python import _native
+
+    chart = helm_python.Chart.load(CHART)
+    options = {"name": "vgpu", "namespace": NS, "api_versions": api_versions}
+    out = _native.call_string("helm_render", chart._raw(), json.dumps(values), json.dumps(options))
+    return "".join(json.loads(out).values())
+
+
+def test_service_monitor_follows_the_clusters_api_versions() -> None:
+    wanted = {"monitoring": {"serviceMonitor": {"enabled": True}}}
+    assert "kind: ServiceMonitor" in _render_with_api_versions(wanted, ["monitoring.coreos.com/v1"])
+    assert "kind: ServiceMonitor" not in _render_with_api_versions(wanted, ["apps/v1"])
+    off = {"monitoring": {"serviceMonitor": {"enabled": False}}}
+    assert "kind: ServiceMonitor" not in _render_with_api_versions(
+        off, ["monitoring.coreos.com/v1"]
+    )
