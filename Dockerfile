@@ -1,10 +1,17 @@
-# syntax=docker/dockerfile:1
-# The vgpu device-plugin image: the `vgpu` daemon and the libvgpu.so hook.
+# The vgpu image: the `vgpu` daemon, extender and webhook, and the libvgpu.so hook.
 #
-#   docker build -t <registry>/vgpu:0.1.0 .
+#   DOCKER_BUILDKIT=1 docker build -t <registry>/vgpu:0.1.0 .
+#   docker buildx build -t <registry>/vgpu:0.1.0 .       # the same, with buildx
+#   buildah bud -t <registry>/vgpu:0.1.0 .                # or podman build
 #
-# deploy/04-daemonset.yaml names ghcr.io/vgpu-project/vgpu:0.1.0, a placeholder:
-# push the image to your own registry and change that line.
+# BuildKit (or buildah/podman) is required: the runtime stage uses
+# `RUN --mount`, which the legacy builder (plain `docker build` of Docker
+# before 23.0 without DOCKER_BUILDKIT=1) refuses. No `# syntax=` line: the
+# builder's own Dockerfile frontend is used, so an offline or mirrored build
+# fetches nothing from Docker Hub but the base image.
+#
+# The chart's image.repository (and deploy/) name ghcr.io/vgpu-project/vgpu, a
+# placeholder: push the image to your own registry and set that value.
 #
 # Both stages use the same Debian release. The hook library runs in the tenants'
 # containers, not here: hooks/glibc_floor.h keeps what it needs at GLIBC_2.17
@@ -25,10 +32,10 @@ WORKDIR /src
 COPY hooks/ hooks/
 RUN make -C hooks && test -f hooks/build/libvgpu.so
 
-# The vgpu wheel and wheels of all its dependencies, so that the runtime stage
-# installs from local files only.
+# The vgpu wheel and wheels of all its dependencies, at the exact versions of
+# constraints.txt, so that the runtime stage installs from local files only.
 COPY . .
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --wheel-dir /wheels -c constraints.txt .
 
 # -------------------------------------------------------------- runtime stage
 FROM ${PYTHON_IMAGE}
@@ -44,15 +51,26 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 
 # Install from the build stage's wheels through a bind mount: no compiler, no
-# network, and the wheels do not end up in a layer of this image.
+# network, and the wheels do not end up in a layer of this image. Then drop
+# what only installing needs (pip, setuptools, wheel; the runtime never
+# installs anything) and smoke-test the result without them: every third-party
+# module the daemon loads, and `vgpu demo` (mock cards, the kubelet simulator
+# and the real daemon over gRPC; about 5 s, no network), so that a broken
+# dependency set fails the build instead of the first node.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links=/wheels vgpu \
+    --mount=type=bind,from=build,source=/src/constraints.txt,target=/tmp/constraints.txt \
+    pip install --no-cache-dir --no-index --find-links=/wheels -c /tmp/constraints.txt vgpu \
+    && python -m pip uninstall --yes --no-cache-dir pip setuptools wheel \
+    && rm -rf /root/.cache /usr/local/lib/python3.11/ensurepip \
+    && python -c "import grpc, google.protobuf, kubernetes, pynvml, prometheus_client, yaml, psutil" \
     && vgpu --version \
     && vgpu config default > /tmp/vgpu-default.yaml \
     && vgpu config check /tmp/vgpu-default.yaml \
-    && rm /tmp/vgpu-default.yaml
+    && rm /tmp/vgpu-default.yaml \
+    && vgpu demo \
+    && rm -rf /tmp/* /root/.cache
 
-# The path the ConfigMap's hook_library names (deploy/03-configmap.yaml).
+# The path the ConfigMap's hook_library names (charts/vgpu, deploy/03-configmap.yaml).
 COPY --from=build /src/hooks/build/libvgpu.so /usr/lib/vgpu/libvgpu.so
 
 # Root on purpose: the daemon creates its sockets in the kubelet's root-owned

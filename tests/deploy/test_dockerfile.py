@@ -138,3 +138,62 @@ def test_dockerignore_keeps_the_context_small() -> None:
     }
     required = {".git", ".venv", "hooks/build", "build", "dist", ".pytest_cache", ".mypy_cache"}
     assert required <= patterns
+
+
+# ------------------------------------------------------ offline, reproducible
+
+
+def test_no_syntax_directive_that_fetches_a_frontend() -> None:
+    # `# syntax=docker/dockerfile:1` makes BuildKit pull a frontend image from
+    # Docker Hub before step 1: an offline or mirrored build fails there.
+    for line in DOCKERFILE.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        assert not re.match(r"#\s*syntax\s*=", line, re.IGNORECASE), line
+
+
+def test_build_commands_name_buildkit() -> None:
+    # RUN --mount needs BuildKit; Debian's Docker 20.10 builds without it by default.
+    assert "--mount=" in DOCKERFILE.read_text()
+    for path in (DOCKERFILE, ROOT / "README.md", ROOT / "docs" / "install.md"):
+        commands = re.findall(
+            r"^\W*(.*docker (?:buildx )?build .*)$", path.read_text(), re.MULTILINE
+        )
+        assert commands, f"{path.name} shows no build command"
+        for command in commands:
+            assert (
+                "DOCKER_BUILDKIT=1 docker build" in command or "docker buildx build" in command
+            ), f"{path.name}: {command}"
+
+
+def test_both_pip_steps_use_the_constraints() -> None:
+    build, runtime = _stages()
+    for stage in (build, runtime):
+        pips = [rest for word, rest in stage if word == "RUN" and "pip " in rest]
+        assert pips
+        for rest in pips:
+            step = rest.split("&&")[0] if "pip install" in rest else rest
+            assert re.search(r"-c \S*constraints\.txt", step), rest
+    assert any(word == "COPY" and rest.split() == [".", "."] for word, rest in build), (
+        "the build stage copies the repository, constraints.txt included"
+    )
+
+
+def test_runtime_drops_pip_and_caches_then_smoke_tests_the_dependencies() -> None:
+    runs = " ".join(rest for word, rest in _stages()[1] if word == "RUN")
+    assert re.search(r"pip uninstall --yes [^&]*\bpip setuptools wheel\b", runs)
+    assert "--no-cache-dir" in runs
+    imports = re.search(r'python -c "import ([^"]+)"', runs)
+    assert imports, "no import smoke test"
+    modules = {m.strip() for m in imports.group(1).split(",")}
+    assert {
+        "grpc",
+        "google.protobuf",
+        "kubernetes",
+        "pynvml",
+        "prometheus_client",
+        "yaml",
+    } <= modules
+    assert "vgpu demo" in runs
+    # Smoke tests run after pip is gone: they prove the runtime needs none of it.
+    assert runs.index("pip uninstall") < runs.index("import grpc") < runs.index("vgpu demo")

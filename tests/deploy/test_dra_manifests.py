@@ -66,6 +66,8 @@ def test_dra_holds_the_expected_objects() -> None:
             "ClusterRoleBinding",
             "ConfigMap",
             "DaemonSet",
+            # The metrics port, as in deploy/ (rendered from the same chart).
+            "NetworkPolicy",
         ]
     )
     assert [d["kind"] for d in _load(_files(DRA)[0])] == ["Namespace"]
