@@ -48,7 +48,7 @@ QUICK = Plan(
     extender_nodes=100,
     extender_slices=2000,
     extender_pods=100,
-    preload=(1, 100, 3),
+    preload=(1, 50, 2),
 )
 
 

@@ -352,7 +352,7 @@ void vgpu_config_load(struct vgpu_config *cfg)
     }
     int mem_ok = checked(mem_found, mem, 1, MEMORY_LIMIT_MAX_MIB, mem_name, source, &logged_mem);
     int core_ok = checked(core_found, core, 1, 100, core_name, source, &logged_core);
-    if (why && !mem_ok && !core_ok) {
+    if (why && !mem_ok && !(core_ok && core < 100)) { /* 100 % is no limit either */
         vgpu_log(&logged_file, "%s is unusable (%s) and the environment has no limits: failing "
                  "safe, this process gets no GPU context and no GPU memory", path, why);
         cfg->refuse = 1;

@@ -440,6 +440,13 @@ def test_bad_config_file_falls_back_to_the_environment(tmp_path: Path) -> None:
     assert "is unusable" in line and "using the limits in the environment" in line
 
 
+def test_an_environment_without_a_limit_is_no_fallback(tmp_path: Path) -> None:
+    """VGPU_CORE_LIMIT=100 limits nothing: an unusable config still fails safe."""
+    config = write_config(tmp_path, "{")
+    total, err = total_seen(str(tmp_path), VGPU_CONFIG=config, VGPU_CORE_LIMIT=100)
+    assert total == 0 and "failing safe" in err
+
+
 def test_missing_config_file_uses_the_environment_limits(tmp_path: Path) -> None:
     absent = str(tmp_path / "absent.json")
     total, err = total_seen(str(tmp_path), VGPU_CONFIG=absent, VGPU_MEMORY_LIMIT_MIB=10)
