@@ -197,6 +197,19 @@ def test_without_the_preload_mount_a_clean_environment_escapes(container: Contai
 
 
 @pytest.mark.timeout(60)
+def test_the_preload_file_cannot_be_changed_from_inside(container: Container) -> None:
+    """Read-only and a mount point: no write, no removal, no rename over it."""
+    run = container.run(
+        "echo /dev/null > /etc/ld.so.preload || echo no-write; "
+        "rm -f /etc/ld.so.preload || echo no-rm; "
+        "echo x > p.$$ && { mv p.$$ /etc/ld.so.preload || echo no-mv; }; "
+        "rm -f p.$$; cat /etc/ld.so.preload"
+    )
+    hook = container.edits.envs["LD_PRELOAD"]
+    assert run.stdout.split() == ["no-write", "no-rm", "no-mv", hook], run.stderr
+
+
+@pytest.mark.timeout(60)
 def test_clean_environment_processes_share_the_container_budget(container: Container) -> None:
     """The budget file is found at its fixed mount: two env -i processes share one limit."""
     run = container.run(
