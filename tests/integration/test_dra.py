@@ -192,6 +192,15 @@ def test_the_context_estimate_reaches_sliced_claims_only(make_dra: Factory) -> N
     assert "VGPU_CONTEXT_OVERHEAD_MIB" not in run.edits["whole"].env
 
 
+def test_hook_injection_env_leaves_out_the_preload_mount(make_dra: Factory) -> None:
+    dra = make_dra(extra=("--hook-injection", "env"))
+    dra.claim("slice", {"cores": "30", "memory": "10Gi"})
+    run = dra.run_pod("p", ["slice"])
+    assert run.ok, run.reply
+    assert run.edits["slice"].env["LD_PRELOAD"].startswith("/usr/local/vgpu/libvgpu-")
+    assert "/etc/ld.so.preload" not in run.edits["slice"].mounts
+
+
 @pytest.mark.timeout(60)
 def test_a_full_hook_disk_refuses_sliced_claims_by_name_until_it_frees(
     make_dra: Factory, short_tmp: Path
