@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import admission, dra, extender, footprint, hooks, packing, scale
+from bench import admission, dra, extender, footprint, hooks, packing, preload, scale
 from bench.common import Json, machine
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
@@ -32,6 +32,7 @@ class Plan:
     extender_nodes: int = 1000
     extender_slices: int = 20000
     extender_pods: int = 400
+    preload: tuple[int, int, int] = (5, 1000, 40)  # rounds, /bin/true and python3 starts
 
 
 FULL = Plan(
@@ -47,6 +48,7 @@ QUICK = Plan(
     extender_nodes=100,
     extender_slices=2000,
     extender_pods=100,
+    preload=(1, 50, 2),
 )
 
 
@@ -61,6 +63,7 @@ def sections(plan: Plan) -> dict[str, Callable[[], Json]]:
         "extender": lambda: extender.run(
             plan.extender_nodes, plan.extender_slices, plan.extender_pods
         ),
+        "preload": lambda: preload.run(*plan.preload),
     }
 
 
@@ -140,6 +143,12 @@ def _rows_hooks(r: Json) -> list[list[str]]:
     return [[k, f"{v} ns"] for k, v in r["metrics"].items()]
 
 
+def _rows_preload(r: Json) -> list[list[str]]:
+    if not r.get("available"):
+        return [["not available", r.get("reason", "")]]
+    return [[k, str(v)] for k, v in r["metrics"].items()]
+
+
 def _rows_dra(r: Json) -> list[list[str]]:
     rows = [["NodePrepareResources", "calls", "p50 ms", "p99 ms", "max ms"]]
     for name in ("prepare_one_claim", "prepare_pod_of_8_claims"):
@@ -193,6 +202,7 @@ ROWS: dict[str, Callable[[Json], list[list[str]]]] = {
     "hooks": _rows_hooks,
     "dra": _rows_dra,
     "extender": _rows_extender,
+    "preload": _rows_preload,
 }
 
 

@@ -1,6 +1,7 @@
 /*
- * The container-wide memory budget, kept in $VGPU_SHARED_DIR/vgpu.shm
- * (layout and locking rules: vgpu_shared.h).  Without VGPU_SHARED_DIR, or
+ * The container-wide memory budget, kept in /var/run/vgpu/vgpu.shm (the
+ * fixed mount) or $VGPU_SHARED_DIR/vgpu.shm (layout and locking rules:
+ * vgpu_shared.h).  Without either, or
  * when the file is unusable, the same structure lives in private memory and
  * the budget is per process.
  *
@@ -283,10 +284,11 @@ static struct vgpu_shared *budget(void)
     pthread_mutex_lock(&attach_lock);
     if (!shm) {
         static int logged;
-        const char *dir = getenv("VGPU_SHARED_DIR");
-        if (!dir || !*dir)
+        vgpu_init();
+        const char *dir = vgpu_cfg.shared_dir; /* fixed mount, else $VGPU_SHARED_DIR (config.c) */
+        if (!dir)
             vgpu_log(&logged, "VGPU_SHARED_DIR is not set; the memory limit applies per process");
-        s = dir && *dir ? map_shared(dir) : NULL;
+        s = dir ? map_shared(dir) : NULL;
         __atomic_store_n(&shm, s ? s : map_private(), __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&attach_lock);

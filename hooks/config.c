@@ -1,4 +1,5 @@
-/* Logging and the limits: $VGPU_CONFIG (JSON), else environment variables. */
+/* Logging and the limits: the mounted config, $VGPU_CONFIG (JSON), else environment
+ * variables (precedence and fail-safe: vgpu.h). */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
@@ -6,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "vgpu.h"
@@ -119,9 +122,9 @@ static int parse_int(const char *p, const char **end, long long *out)
     return 0;
 }
 
-/* One top-level key of a JSON object text: 1 and the integer, 0 if absent
- * or null, -1 if not an integer or the text is not a JSON object. */
-static int json_int(const char *text, const char *key, long long *out)
+/* One top-level key of a JSON object text: 1 and where its value starts, 0
+ * if absent, -1 if the text is not a JSON object (as far as it was read). */
+static int json_find(const char *text, const char *key, const char **value)
 {
     size_t keylen = strlen(key);
     const char *p = json_ws(text);
@@ -142,13 +145,8 @@ static int json_int(const char *text, const char *key, long long *out)
             return -1;
         p = json_ws(p);
         if (match) {
-            if (strncmp(p, "null", 4) == 0)
-                return 0;
-            const char *end;
-            if (parse_int(p, &end, out) != 0)
-                return -1;
-            end = json_ws(end);
-            return (*end == ',' || *end == '}') ? 1 : -1;
+            *value = p;
+            return 1;
         }
         if (!(p = json_skip_value(p, 1)))
             return -1;
@@ -161,27 +159,110 @@ static int json_int(const char *text, const char *key, long long *out)
     }
 }
 
+/* One top-level key of a JSON object text: 1 and the integer, 0 if absent
+ * or null, -1 if not an integer or the text is not a JSON object. */
+static int json_int(const char *text, const char *key, long long *out)
+{
+    const char *p;
+    int found = json_find(text, key, &p);
+    if (found <= 0)
+        return found;
+    if (strncmp(p, "null", 4) == 0)
+        return 0;
+    const char *end;
+    if (parse_int(p, &end, out) != 0)
+        return -1;
+    end = json_ws(end);
+    return (*end == ',' || *end == '}') ? 1 : -1;
+}
+
+/* A top-level array of plain strings (no escapes) as "a,b,c" in out; 1 if
+ * it fits, else 0 (absent, not such an array, too long). */
+static int json_string_list(const char *text, const char *key, char *out, size_t size)
+{
+    const char *p;
+    if (json_find(text, key, &p) <= 0 || *p++ != '[')
+        return 0;
+    size_t n = 0;
+    p = json_ws(p);
+    while (*p != ']') {
+        if (*p != '"')
+            return 0;
+        const char *start = p + 1, *end = start;
+        while (*end && *end != '"' && *end != '\\' && *end != ',')
+            end++;
+        if (*end != '"' || (size_t)(end - start) + 2 > size - n)
+            return 0;
+        if (n)
+            out[n++] = ',';
+        memcpy(out + n, start, (size_t)(end - start));
+        n += (size_t)(end - start);
+        p = json_ws(end + 1);
+        if (*p == ',')
+            p = json_ws(p + 1);
+        else if (*p != ']')
+            return 0;
+    }
+    out[n] = '\0';
+    return 1;
+}
+
 /* ---- the limits ---- */
 
-static char *read_small_file(const char *path)
+/* Reads a config file that the tenant may have replaced by anything: no
+ * link followed, no blocking on a FIFO or device, at most CONFIG_MAX_BYTES.
+ * NULL and the text (to free), or why it cannot be used. */
+static const char *read_config_file(const char *path, char **text)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    *text = NULL;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY);
     if (fd < 0)
-        return NULL;
-    char *buf = malloc(CONFIG_MAX_BYTES + 1);
+        return errno == ELOOP ? "it is a symbolic link" : strerror(errno);
+    struct stat st;
+    const char *why = NULL;
+    char *buf = NULL;
     size_t n = 0;
-    while (buf && n < CONFIG_MAX_BYTES) {
-        ssize_t r = read(fd, buf + n, CONFIG_MAX_BYTES - n);
+    if (syscall(SYS_fstat, fd, &st) != 0) /* fstat without the GLIBC_2.33 symbol */
+        why = strerror(errno);
+    else if (!S_ISREG(st.st_mode))
+        why = "not a regular file";
+    else if (st.st_size > CONFIG_MAX_BYTES)
+        why = "larger than 64 KiB";
+    else if (!(buf = malloc(CONFIG_MAX_BYTES + 2)))
+        why = "out of memory";
+    while (!why && n <= CONFIG_MAX_BYTES) {
+        ssize_t r = read(fd, buf + n, CONFIG_MAX_BYTES + 1 - n);
         if (r < 0 && errno == EINTR)
             continue;
+        if (r < 0)
+            why = strerror(errno);
         if (r <= 0)
             break;
         n += (size_t)r;
     }
+    if (!why && n > CONFIG_MAX_BYTES)
+        why = "larger than 64 KiB"; /* it grew while read */
     close(fd);
-    if (buf)
-        buf[n] = '\0';
-    return buf;
+    if (why) {
+        free(buf);
+        return why;
+    }
+    buf[n] = '\0';
+    *text = buf;
+    return NULL;
+}
+
+/* The two limits of a config text; NULL, or why the text is unusable. */
+static const char *config_limits(const char *text, long long *mem, int *mem_found, long long *core,
+                                 int *core_found)
+{
+    *mem_found = json_int(text, "memory_limit_mib", mem);
+    *core_found = json_int(text, "core_percent", core);
+    if (*mem_found < 0 || (*mem_found && (*mem < 1 || *mem > MEMORY_LIMIT_MAX_MIB)))
+        return "memory_limit_mib is not an integer in [1, 1073741824], or not in a JSON object";
+    if (*core_found < 0 || (*core_found && (*core < 1 || *core > 100)))
+        return "core_percent is not an integer in [1, 100], or not in a JSON object";
+    return NULL;
 }
 
 /* Environment integer: 1 = value, 0 = unset/empty/null, -1 = not an integer. */
@@ -228,50 +309,72 @@ static void load_log_level(void)
                  "tracing stays off", level);
 }
 
+/* Whether this is a container with vgpu's files mounted (see vgpu.h). */
+static int mounted(void)
+{
+    return access(VGPU_MOUNT_DIR, F_OK) == 0 || (errno != ENOENT && errno != ENOTDIR);
+}
+
 void vgpu_config_load(struct vgpu_config *cfg)
 {
-    static int logged_mem, logged_core, logged_overhead;
+    static int logged_mem, logged_core, logged_overhead, logged_file;
+    static char cards[VGPU_MAX_DEVICES * VGPU_UUID_BYTES];
     load_log_level();
-    long long mem = 0, core = 0;
-    int mem_found, core_found;
-    const char *source, *mem_name = "memory_limit_mib", *core_name = "core_percent";
-    const char *path = getenv("VGPU_CONFIG");
-    char *text = NULL;
+    long long mem = 0, core = 0, overhead = 0;
+    int mem_found = 0, core_found = 0, overhead_found = 0;
+    const char *source = "environment", *mem_name = "VGPU_MEMORY_LIMIT_MIB",
+               *core_name = "VGPU_CORE_LIMIT";
+    int in_mount = mounted();
+    const char *path = in_mount ? VGPU_MOUNT_CONFIG : getenv("VGPU_CONFIG");
+    const char *shared = in_mount ? VGPU_MOUNT_SHARED_DIR : getenv("VGPU_SHARED_DIR");
+    cfg->visible = getenv("NVIDIA_VISIBLE_DEVICES");
+    cfg->shared_dir = shared && *shared ? shared : NULL;
+    cfg->refuse = 0;
+    const char *why = NULL;
     if (path && *path) {
-        source = path;
-        text = read_small_file(path);
-        if (!text) {
-            static int logged;
-            vgpu_log(&logged, "cannot read VGPU_CONFIG file %s: %s; no limits enforced", path,
-                     strerror(errno));
-            mem_found = core_found = 0;
-        } else {
-            mem_found = json_int(text, "memory_limit_mib", &mem);
-            core_found = json_int(text, "core_percent", &core);
+        char *text;
+        why = read_config_file(path, &text);
+        if (!why)
+            why = config_limits(text, &mem, &mem_found, &core, &core_found);
+        if (!why) {
+            source = path;
+            mem_name = "memory_limit_mib";
+            core_name = "core_percent";
+            overhead_found = json_int(text, "context_overhead_mib", &overhead);
+            if (in_mount) /* the names the daemon gave, not the environment's */
+                cfg->visible = json_string_list(text, "cards", cards, sizeof(cards)) ? cards : NULL;
         }
         free(text);
-    } else {
-        source = "environment";
-        mem_name = "VGPU_MEMORY_LIMIT_MIB";
-        core_name = "VGPU_CORE_LIMIT";
+    }
+    if (!path || !*path || why) {
         mem_found = env_int("VGPU_MEMORY_LIMIT_MIB", &mem);
         core_found = env_int("VGPU_CORE_LIMIT", &core);
     }
-    cfg->memory_limit = checked(mem_found, mem, 1, MEMORY_LIMIT_MAX_MIB, mem_name, source, &logged_mem)
-                            ? (uint64_t)mem * VGPU_MIB
-                            : VGPU_NO_LIMIT;
-    cfg->core_percent = checked(core_found, core, 1, 100, core_name, source, &logged_core) && core < 100
-                            ? (int)core
-                            : 0;
-    /* The per-card context estimate comes from the Allocate answer's
-     * environment in both modes (it is not a limit). */
-    long long overhead = 0;
-    int overhead_found = env_int("VGPU_CONTEXT_OVERHEAD_MIB", &overhead);
+    int mem_ok = checked(mem_found, mem, 1, MEMORY_LIMIT_MAX_MIB, mem_name, source, &logged_mem);
+    int core_ok = checked(core_found, core, 1, 100, core_name, source, &logged_core);
+    if (why && !mem_ok && !(core_ok && core < 100)) { /* 100 % is no limit either */
+        vgpu_log(&logged_file, "%s is unusable (%s) and the environment has no limits: failing "
+                 "safe, this process gets no GPU context and no GPU memory", path, why);
+        cfg->refuse = 1;
+    } else if (why) {
+        vgpu_log(&logged_file, "%s is unusable (%s); using the limits in the environment", path,
+                 why);
+    }
+    cfg->memory_limit = cfg->refuse ? 0 : mem_ok ? (uint64_t)mem * VGPU_MIB : VGPU_NO_LIMIT;
+    cfg->core_percent = cfg->refuse ? 1 : core_ok && core < 100 ? (int)core : 0;
+    /* The per-card context estimate (not a limit): the config's, else the
+     * Allocate answer's environment. */
+    if (overhead_found <= 0) {
+        overhead_found = env_int("VGPU_CONTEXT_OVERHEAD_MIB", &overhead);
+        source = "environment";
+    }
     cfg->context_overhead = checked(overhead_found, overhead, 0, 65536, "VGPU_CONTEXT_OVERHEAD_MIB",
-                                    "environment", &logged_overhead)
+                                    source, &logged_overhead)
                                 ? (uint64_t)overhead * VGPU_MIB
                                 : 0;
-    VGPU_TRACE("limits: memory %llu MiB per card, core %d%%, context estimate %llu MiB",
+    VGPU_TRACE("limits from %s: memory %llu MiB per card, core %d%%, context estimate %llu MiB%s",
+               why ? "environment" : path && *path ? path : "environment",
                cfg->memory_limit == VGPU_NO_LIMIT ? 0ull : (unsigned long long)(cfg->memory_limit / VGPU_MIB),
-               cfg->core_percent, (unsigned long long)(cfg->context_overhead / VGPU_MIB));
+               cfg->core_percent, (unsigned long long)(cfg->context_overhead / VGPU_MIB),
+               cfg->refuse ? " (refused: fail-safe)" : "");
 }

@@ -103,7 +103,8 @@ int vgpu_device_uuid(int ordinal, char out[VGPU_UUID_BYTES])
              b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
              b[15]);
     /* The container's own name for it (e.g. MIG-...), as the plugin gave it. */
-    const char *visible = getenv("NVIDIA_VISIBLE_DEVICES");
+    vgpu_init();
+    const char *visible = vgpu_cfg.visible;
     char item[VGPU_UUID_BYTES];
     while (visible && *visible) {
         size_t n = strcspn(visible, ",");
@@ -545,6 +546,9 @@ static void after_context(CUdevice ordinal, CUcontext ctx, struct snapshot *befo
 #define CONTEXT(ordinal, pctx, call)                                                             \
     do {                                                                                         \
         struct snapshot *s_;                                                                     \
+        vgpu_init();                                                                             \
+        if (__builtin_expect(vgpu_cfg.refuse, 0)) /* fail-safe (config.c) */                     \
+            return CUDA_ERROR_NOT_INITIALIZED;                                                   \
         int want_ = before_context(ordinal, &s_);                                                \
         CUresult rc_ = (call);                                                                   \
         VGPU_TRACE("%s(device %d) = %d", __func__, (int)(ordinal), rc_);                         \

@@ -3,7 +3,7 @@
 
 #include "vgpu.h"
 
-struct vgpu_config vgpu_cfg = {VGPU_NO_LIMIT, 0, 0};
+struct vgpu_config vgpu_cfg = {.memory_limit = VGPU_NO_LIMIT};
 int vgpu_ready;
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 

@@ -28,8 +28,29 @@ struct vgpu_config {
     uint64_t memory_limit;     /* bytes per card, or VGPU_NO_LIMIT */
     int core_percent;          /* 1..99, or 0 = no compute limit */
     uint64_t context_overhead; /* bytes charged per process and card when NVML cannot measure it */
+    int refuse;                /* fail-safe: no usable limits; contexts refused, memory limit 0 */
+    const char *shared_dir;    /* the budget file's directory; NULL: a per-process budget */
+    const char *visible;       /* the container's card names ("MIG-...,GPU-..."), or NULL */
 };
-/* Reads $VGPU_CONFIG, else $VGPU_MEMORY_LIMIT_MIB / $VGPU_CORE_LIMIT; always
+
+/* A sliced container's files at their fixed mount points (vgpu/core/contract.py:
+ * CONFIG_MOUNT, CONFIG_FILE, SHARED_MOUNT).  When VGPU_MOUNT_DIR exists the
+ * mounted config is the one source of the limits, whatever the environment
+ * says: a process started with `env -i` (through /etc/ld.so.preload) finds
+ * the same limits, and no variable can widen them. */
+#define VGPU_MOUNT_DIR "/etc/vgpu"
+#define VGPU_MOUNT_CONFIG VGPU_MOUNT_DIR "/config.json"
+#define VGPU_MOUNT_SHARED_DIR "/var/run/vgpu"
+
+/* The limits, once per process (init.c):
+ *  - VGPU_MOUNT_DIR present: VGPU_MOUNT_CONFIG, the budget in VGPU_MOUNT_SHARED_DIR,
+ *    the card names from its "cards";
+ *  - else $VGPU_CONFIG (file), $VGPU_SHARED_DIR, $NVIDIA_VISIBLE_DEVICES;
+ *  - else $VGPU_MEMORY_LIMIT_MIB / $VGPU_CORE_LIMIT.
+ * A config file that cannot be used (missing, not a regular file, a link, over
+ * 64 KiB, not a JSON object, a limit that is not an integer in range) is
+ * logged once and replaced by the environment's limits when it has any;
+ * otherwise the process fails safe (`refuse`).  Always read:
  * $VGPU_CONTEXT_OVERHEAD_MIB and $VGPU_LOG_LEVEL. */
 void vgpu_config_load(struct vgpu_config *cfg);
 

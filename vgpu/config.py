@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from vgpu.core.contract import HOOK_INJECTIONS
 from vgpu.core.errors import ConfigError
 from vgpu.core.health import DEFAULT_IGNORED_XIDS
 from vgpu.core.model import Policy
@@ -67,6 +68,7 @@ class Settings:
         return Path("/var/lib/kubelet/plugins") / f"vgpu.{self.resource_domain}"
 
     context_overhead_mib: int = 0
+    hook_injection: str = "ld-so-preload"
 
     def public(self) -> dict[str, Any]:
         """The effective settings as plain data (for the start-up log and `config`)."""
@@ -117,6 +119,10 @@ KEYS: dict[str, str] = {
     "cdi_dir": "dra: where CDI spec files are written for the container runtime",
     "context_overhead_mib": (
         "per-card CUDA context memory (MiB) the hook charges where NVML cannot measure it (0-65536)"
+    ),
+    "hook_injection": (
+        "how sliced containers load the hook: ld-so-preload (a read-only /etc/ld.so.preload "
+        "mount plus LD_PRELOAD) or env (LD_PRELOAD only)"
     ),
 }
 _PATHS = {
@@ -239,6 +245,10 @@ def _convert(key: str, value: Any, source: str) -> Any:
         return str(value)
     if key == "metrics_container_names":
         return _bool(value, bad)
+    if key == "hook_injection":
+        if value not in HOOK_INJECTIONS:
+            raise bad(" or ".join(HOOK_INJECTIONS))
+        return value
     raise ConfigError(f"{source}: unknown key {key!r}")  # pragma: no cover - guarded by KEYS
 
 

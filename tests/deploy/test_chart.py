@@ -717,6 +717,7 @@ def test_the_leader_election_lease_belongs_to_the_release() -> None:
         ("resource_domain", "gpu.example.com", "resourceDomain"),
         ("metrics_address", "0.0.0.0:9999", "daemon.metricsPort"),
         ("mode", "dra", "mode"),
+        ("hook_injection", "env", "hookInjection"),
         ("state_dir", "/data/vgpu", "mounts this path"),
         ("device_plugin_dir", "/k/device-plugins", "mounts this path"),
     ],

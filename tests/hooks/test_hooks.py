@@ -410,26 +410,47 @@ def test_bad_environment_value_is_no_limit(value: str, shared: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "logged"),
+    "text",
     [
-        ('{"memory_limit_mib": "2048", "core_percent": 20}', 1),
-        ('{"memory_limit_mib": 2048.5}', 1),
-        ('{"memory_limit_mib": 2048, "core_percent": 0}', 1),
-        ("{", 2),  # malformed: neither key can be read, one line each
-        ("[1, 2]", 2),
-        ("", 2),
+        '{"memory_limit_mib": "2048", "core_percent": 20}',
+        '{"memory_limit_mib": 2048.5}',
+        '{"memory_limit_mib": 2048, "core_percent": 0}',
+        "{",
+        "[1, 2]",
+        "",
     ],
 )
-def test_bad_config_file_is_no_limit(tmp_path: Path, text: str, logged: int) -> None:
-    total, err = total_seen(str(tmp_path), VGPU_CONFIG=write_config(tmp_path, text))
-    assert total == (2048 * MIB if "2048," in text else FAKE_TOTAL)
-    assert len(vgpu_lines(err)) == logged
+def test_bad_config_file_fails_safe(tmp_path: Path, text: str) -> None:
+    """A config file that cannot be used is never "no limit": with no limits in the
+    environment either, the process gets no memory and no context (one line)."""
+    env = {"VGPU_CONFIG": write_config(tmp_path, text), "VGPU_SHARED_DIR": str(tmp_path)}
+    lines, err = probe("info", "alloc", "mem", 1, "ctx", 0, **env)
+    assert int(lines[0]["total"]) == 0  # type: ignore[call-overload]
+    assert lines[1]["rc"] == OOM
+    assert lines[2]["rc"] == 3  # CUDA_ERROR_NOT_INITIALIZED
+    (line,) = vgpu_lines(err)
+    assert "is unusable" in line and "failing safe" in line
 
 
-def test_missing_config_file_is_no_limit(tmp_path: Path) -> None:
+def test_bad_config_file_falls_back_to_the_environment(tmp_path: Path) -> None:
+    config = write_config(tmp_path, '{"memory_limit_mib": "2048"}')
+    total, err = total_seen(str(tmp_path), VGPU_CONFIG=config, VGPU_MEMORY_LIMIT_MIB=10)
+    assert total == 10 * MIB
+    (line,) = vgpu_lines(err)
+    assert "is unusable" in line and "using the limits in the environment" in line
+
+
+def test_an_environment_without_a_limit_is_no_fallback(tmp_path: Path) -> None:
+    """VGPU_CORE_LIMIT=100 limits nothing: an unusable config still fails safe."""
+    config = write_config(tmp_path, "{")
+    total, err = total_seen(str(tmp_path), VGPU_CONFIG=config, VGPU_CORE_LIMIT=100)
+    assert total == 0 and "failing safe" in err
+
+
+def test_missing_config_file_uses_the_environment_limits(tmp_path: Path) -> None:
     absent = str(tmp_path / "absent.json")
     total, err = total_seen(str(tmp_path), VGPU_CONFIG=absent, VGPU_MEMORY_LIMIT_MIB=10)
-    assert total == FAKE_TOTAL and len(vgpu_lines(err)) == 1
+    assert total == 10 * MIB and len(vgpu_lines(err)) == 1
 
 
 def test_bad_core_limit_logged_once() -> None:

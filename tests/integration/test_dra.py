@@ -156,6 +156,10 @@ def test_prepared_claims_carry_the_limits_the_scheduler_allocated(make_dra: Fact
     # the daemon made the budget file before the container starts, at its size
     assert Path(budget_mount["hostPath"]).stat().st_size == budget.FILE_BYTES
     assert fractional.mounts[fractional.env["LD_PRELOAD"]]["options"][0] == "ro"
+    # hook_injection ld-so-preload (the default): the hook also for a clean environment
+    preload = fractional.mounts["/etc/ld.so.preload"]
+    assert preload["options"][0] == "ro"
+    assert Path(preload["hostPath"]).read_text() == fractional.env["LD_PRELOAD"] + "\n"
     minor = allocations["slice"]["device"].removeprefix("gpu-")
     assert list(fractional.device_nodes) == [f"/dev/nvidia{minor}", *CONTROL]
     config = _config(dra, fractional)
@@ -164,7 +168,7 @@ def test_prepared_claims_carry_the_limits_the_scheduler_allocated(make_dra: Fact
 
     whole = run.edits["whole"]
     assert "VGPU_CORE_LIMIT" not in whole.env and "VGPU_MEMORY_LIMIT_MIB" not in whole.env
-    assert "LD_PRELOAD" not in whole.env
+    assert "LD_PRELOAD" not in whole.env and "/etc/ld.so.preload" not in whole.mounts
     assert _config(dra, whole)["whole_cards"] is True
 
     # cores only: the memory default (the whole card's) is what it consumed
@@ -186,6 +190,15 @@ def test_the_context_estimate_reaches_sliced_claims_only(make_dra: Factory) -> N
     assert run.ok, run.reply
     assert run.edits["slice"].env["VGPU_CONTEXT_OVERHEAD_MIB"] == "512"
     assert "VGPU_CONTEXT_OVERHEAD_MIB" not in run.edits["whole"].env
+
+
+def test_hook_injection_env_leaves_out_the_preload_mount(make_dra: Factory) -> None:
+    dra = make_dra(extra=("--hook-injection", "env"))
+    dra.claim("slice", {"cores": "30", "memory": "10Gi"})
+    run = dra.run_pod("p", ["slice"])
+    assert run.ok, run.reply
+    assert run.edits["slice"].env["LD_PRELOAD"].startswith("/usr/local/vgpu/libvgpu-")
+    assert "/etc/ld.so.preload" not in run.edits["slice"].mounts
 
 
 @pytest.mark.timeout(60)

@@ -44,11 +44,17 @@ def test_allocate_mounts_and_preloads_the_installed_hook(tmp_path: Path) -> None
         assert oct(budget_file.stat().st_mode & 0o777) == oct(0o666)
         assert oct(budget_file.parent.stat().st_mode & 0o7777) == oct(0o755)
         assert c.envs["VGPU_SHARED_DIR"] == "/var/run/vgpu"
+        # hook_injection ld-so-preload (the default): a read-only /etc/ld.so.preload
+        # naming the hook, written once next to it on the host.
+        preload = mounts["/etc/ld.so.preload"]
+        assert preload.read_only and Path(preload.host_path).parent == hook_dir
+        assert Path(preload.host_path).read_text() == in_container + "\n"
         assert c.clashes == []
 
         whole = node.submit(node.pod("train", {node.core: 100}))
         assert whole.ok
         assert "LD_PRELOAD" not in whole.containers[0].envs  # a whole card needs no limits
+        assert all(m.container_path != "/etc/ld.so.preload" for m in whole.containers[0].mounts)
 
         # A new library version never overwrites the file running containers have mapped.
         node.stop_daemon()
@@ -61,6 +67,31 @@ def test_allocate_mounts_and_preloads_the_installed_hook(tmp_path: Path) -> None
         again = node.submit(node.pod("nb2", {node.core: 10, node.memory: 4}))
         assert again.ok
         assert again.containers[0].envs["LD_PRELOAD"] != in_container
+        # Each version has its own preload file; the old one still names the old hook.
+        assert sorted(p.name for p in hook_dir.glob("*.ld.so.preload")) == sorted(
+            p.name.removesuffix(".so") + ".ld.so.preload" for p in installed
+        )
+        assert Path(preload.host_path).read_text() == in_container + "\n"
+    finally:
+        node.close()
+
+
+@pytest.mark.timeout(60)
+def test_hook_injection_env_mounts_no_ld_so_preload(tmp_path: Path) -> None:
+    library = tmp_path / "libvgpu.so"
+    shutil.copy(ROOT / "hooks" / "build" / "libvgpu.so", library)
+    node = SimNode()
+    hook_dir = node.root / "hook"
+    node.daemon_args = [
+        "--hook-library", str(library), "--hook-dir", str(hook_dir), "--hook-injection", "env",
+    ]  # fmt: skip
+    node.start()
+    try:
+        sliced = node.submit(node.pod("nb", {node.core: 30, node.memory: 40}))
+        assert sliced.ok, sliced.error
+        c = sliced.containers[0]
+        assert c.envs["LD_PRELOAD"].startswith("/usr/local/vgpu/libvgpu-")
+        assert all(m.container_path != "/etc/ld.so.preload" for m in c.mounts)
     finally:
         node.close()
 

@@ -103,6 +103,7 @@ def test_unrelated_environment_is_ignored() -> None:
         ("ignored_xids", "13,x", "whole number"),
         ("state_dir", "", "cannot be empty"),
         ("context_overhead_mib", "-1", "0 to 65536"),
+        ("hook_injection", "preload", "ld-so-preload or env"),
     ],
 )
 def test_bad_values_name_key_source_and_allowed(key: str, value: str, allowed: str) -> None:
@@ -118,6 +119,12 @@ def test_bad_values_name_key_source_and_allowed(key: str, value: str, allowed: s
 def test_context_overhead_estimate_reaches_the_settings() -> None:
     assert Settings().context_overhead_mib == 0  # absent: nothing charged
     assert load({"context_overhead_mib": "512"}, {}).context_overhead_mib == 512
+
+
+def test_hook_injection_defaults_to_ld_so_preload() -> None:
+    assert Settings().hook_injection == "ld-so-preload"
+    assert load({}, {"VGPU_HOOK_INJECTION": "env"}).hook_injection == "env"
+    assert load({"hook_injection": "ld-so-preload"}, {}).hook_injection == "ld-so-preload"
 
 
 def test_unknown_flag_key_is_refused() -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu.adapters import budget
+from vgpu.core.contract import preload_file_name, preload_file_text
 from vgpu.core.model import CardUuid, DeviceId, Owner, Placement, Resource
 
 log = logging.getLogger(__name__)
@@ -504,6 +505,22 @@ def install_hook(library: Path, hook_dir: Path, version: str) -> Path:
     target = hook_dir / f"libvgpu-{version}-{digest}.so"
     if not target.exists():
         atomic_write(target, data, mode=0o755)
+    install_preload_file(target)
+    return target
+
+
+def install_preload_file(hook: Path) -> Path:
+    """Write, next to the installed hook, the file a container sees as its
+    read-only /etc/ld.so.preload (hook_injection ld-so-preload). Atomic, and only
+    when missing or different: containers have it mounted."""
+    target = hook.parent / preload_file_name(str(hook))
+    text = preload_file_text(str(hook)).encode()
+    try:
+        current = target.read_bytes()
+    except FileNotFoundError:
+        current = None
+    if current != text:
+        atomic_write(target, text, mode=0o644)
     return target
 
 

@@ -46,6 +46,10 @@ SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("--cdi-dir", {"metavar": "DIR", "help": "dra: CDI spec directory (default /var/run/cdi)"}),
     ("--context-overhead-mib", {"metavar": "N", "help": "per-card context estimate (default 0)"}),
+    (
+        "--hook-injection",
+        {"choices": ["ld-so-preload", "env"], "help": "hook loading (default ld-so-preload)"},
+    ),
 ]
 
 

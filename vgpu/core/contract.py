@@ -9,7 +9,7 @@ filesystem adapter.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vgpu.core.model import CORE_UNITS_PER_CARD, Card, Placement
 
@@ -19,6 +19,8 @@ SHARED_MOUNT = "/var/run/vgpu"  # VGPU_SHARED_DIR: the hook's budget file lives 
 BUDGET_FILE_NAME = "vgpu.shm"  # the one file mounted there (read-write), never the directory
 HOOK_MOUNT_DIR = "/usr/local/vgpu"  # the hook library, under its versioned name
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+PRELOAD_FILE = "/etc/ld.so.preload"  # hook_injection ld-so-preload: names the hook (read-only)
+HOOK_INJECTIONS = ("ld-so-preload", "env")
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,31 @@ def container_edits(
     ]
     devices += [DeviceNode(path, path) for path in CONTROL_DEVICES]
     return ContainerEdits(envs=envs, mounts=tuple(mounts), devices=tuple(devices))
+
+
+def hook_container_path(hook_path: str) -> str:
+    """Where a sliced container sees the hook library installed at `hook_path`."""
+    return f"{HOOK_MOUNT_DIR}/{hook_path.rsplit('/', 1)[-1]}"
+
+
+def preload_file_name(hook_path: str) -> str:
+    """The name of the ld.so.preload file the daemon writes next to the hook library."""
+    return f"{hook_path.rsplit('/', 1)[-1].removesuffix('.so')}.ld.so.preload"
+
+
+def preload_file_text(hook_path: str) -> str:
+    """What the container's /etc/ld.so.preload says: the hook at its container path."""
+    return hook_container_path(hook_path) + "\n"
+
+
+def with_hook_injection(
+    edits: ContainerEdits, hook_path: str | None, injection: str
+) -> ContainerEdits:
+    """hook_injection ld-so-preload: a container that gets the hook (LD_PRELOAD
+    in its env) also gets a read-only /etc/ld.so.preload naming it, so that
+    processes started with a clean environment (env -i, sudo, sshd) load it too.
+    The env stays as it is. `env`, whole cards and no hook: unchanged."""
+    if injection != "ld-so-preload" or hook_path is None or "LD_PRELOAD" not in edits.envs:
+        return edits
+    host = f"{hook_path.rsplit('/', 1)[0]}/{preload_file_name(hook_path)}"
+    return replace(edits, mounts=(*edits.mounts, MountSpec(PRELOAD_FILE, host, True)))

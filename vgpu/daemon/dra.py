@@ -124,6 +124,7 @@ class DraDaemon:
                 memory_unit_mib=s.memory_unit_mib,
                 ignored_xids=s.ignored_xids,
                 context_overhead_mib=s.context_overhead_mib,
+                hook_injection=s.hook_injection,
             ),
             ContainerStore(dra_dir, s.memory_unit_mib),
             ClaimStore(dra_dir, s.memory_unit_mib),

@@ -25,7 +25,7 @@ from vgpu.adapters.dra.state import ClaimRecord, ClaimStore, sweep_temp_files
 from vgpu.adapters.fs import ContainerStore
 from vgpu.adapters.gpus import CardReading
 from vgpu.adapters.nodefile import node_document, write_node_file
-from vgpu.core.contract import ContainerEdits, container_edits
+from vgpu.core.contract import ContainerEdits, container_edits, with_hook_injection
 from vgpu.core.dra import (
     AllocatedDevice,
     ClaimRef,
@@ -57,6 +57,7 @@ class DraOptions:
     ignored_xids: tuple[int, ...]
     hook_path: Path | None = None
     context_overhead_mib: int = 0  # per-card context estimate passed to the hook
+    hook_injection: str = "ld-so-preload"  # also mount /etc/ld.so.preload (or "env" only)
 
     @property
     def driver(self) -> str:
@@ -285,13 +286,17 @@ class DraService:
         for result, name in zip(mine, cdi_device_names(ref.uid, mine), strict=True):
             placement = placements[result.request]
             paths = self.store.paths(placement.key)
-            edits[name] = container_edits(
-                placement,
-                [cards[result.device]],
-                config_dir=str(paths.config_dir),
-                shared_dir=str(paths.shared_dir),
-                hook_path=str(hook) if hook is not None else None,
-                context_overhead_mib=self.options.context_overhead_mib,
+            edits[name] = with_hook_injection(
+                container_edits(
+                    placement,
+                    [cards[result.device]],
+                    config_dir=str(paths.config_dir),
+                    shared_dir=str(paths.shared_dir),
+                    hook_path=str(hook) if hook is not None else None,
+                    context_overhead_mib=self.options.context_overhead_mib,
+                ),
+                str(hook) if hook is not None else None,
+                self.options.hook_injection,
             )
             devices.append(
                 PreparedDevice(

@@ -26,7 +26,7 @@ from vgpu.adapters.kubelet.servicer import (
 from vgpu.adapters.nodefile import node_document, write_node_file
 from vgpu.adapters.podresources import PodResourcesClient, PodResourcesUnavailable
 from vgpu.core.annotations import format_inventory, node_key, placements_key
-from vgpu.core.contract import container_edits
+from vgpu.core.contract import container_edits, with_hook_injection
 from vgpu.core.errors import ApiUnavailable, InsufficientCapacity, StateUnwritable, state_error
 from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
 from vgpu.core.model import (
@@ -58,6 +58,7 @@ class ServiceOptions:
     api_wait_s: float
     hook_path: Path | None = None  # installed library on the host
     context_overhead_mib: int = 0  # per-card context estimate passed to the hook
+    hook_injection: str = "ld-so-preload"  # also mount /etc/ld.so.preload (or "env" only)
 
 
 def install_or_refuse(installer: Callable[[], Path], where: str | None = None) -> Path:
@@ -583,13 +584,16 @@ class PluginService:
     def answer(self, placement: Placement) -> AllocationAnswer:
         paths = self.store.paths(placement.key)
         hook = self.options.hook_path
-        return container_edits(
+        edits = container_edits(
             placement,
             [self.ledger.cards.get(c) for c in placement.cards],
             config_dir=str(paths.config_dir),
             shared_dir=str(paths.shared_dir),
             hook_path=str(hook) if hook is not None else None,
             context_overhead_mib=self.options.context_overhead_mib,
+        )
+        return with_hook_injection(
+            edits, str(hook) if hook is not None else None, self.options.hook_injection
         )
 
     def prestart(self, resource: Resource, device_ids: Sequence[str]) -> None:

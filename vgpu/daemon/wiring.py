@@ -192,6 +192,7 @@ class Daemon:
                 ignored_xids=settings.ignored_xids,
                 api_wait_s=settings.api_wait_s,
                 context_overhead_mib=settings.context_overhead_mib,
+                hook_injection=settings.hook_injection,
             ),
             self.store,
             self.pods,
