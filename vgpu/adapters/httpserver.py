@@ -15,6 +15,12 @@ daemon's real work (the kubelet's calls):
   `inline` paths (/healthz) are answered on the loop itself, at once.
 
 Every answer closes the connection (HTTP/1.1 "Connection: close").
+
+For the admission webhook the same server also speaks TLS (`ssl_context`; the
+handshake is bounded by `header_timeout_s`, and `set_ssl_context` swaps the
+certificate for new connections without a restart) and takes POST bodies
+(`post_handler`): a body must declare its Content-Length, fit in
+`max_body_bytes` (else 413) and arrive whole within `body_timeout_s`.
 """
 
 from __future__ import annotations
@@ -22,17 +28,21 @@ from __future__ import annotations
 import asyncio
 import resource
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any
 
 ACCEPT_BATCH = 8
 LISTEN_BACKLOG = 128
 
 # path -> (status, content type, body)
 Handler = Callable[[str], tuple[int, str, bytes]]
+# (path, body) -> (status, content type, body)
+PostHandler = Callable[[str, bytes], tuple[int, str, bytes]]
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,8 @@ class HttpLimits:
     write_timeout_s: float = 10.0
     max_header_bytes: int = 8192
     workers: int = 2
+    max_body_bytes: int = 0  # POST bodies (only with a post_handler)
+    body_timeout_s: float = 10.0
 
 
 @dataclass
@@ -79,6 +91,8 @@ class BoundedHttpServer:
         handler: Handler,
         inline: Collection[str] = (),
         limits: HttpLimits = HttpLimits(),
+        ssl_context: ssl.SSLContext | None = None,
+        post_handler: PostHandler | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -93,6 +107,20 @@ class BoundedHttpServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
+        self.post_handler = post_handler
+        self._tls = ssl_context
+        self._tls_current = ssl_context
+        if ssl_context is not None:
+            ssl_context.sni_callback = self._pick_context
+
+    def set_ssl_context(self, context: ssl.SSLContext) -> None:
+        """Serve new connections with `context` (a renewed certificate); open ones keep theirs."""
+        self._tls_current = context
+
+    def _pick_context(self, conn: Any, server_name: str | None, initial: ssl.SSLContext) -> None:
+        current = self._tls_current
+        if current is not None and current is not initial:
+            conn.context = current
 
     # ------------------------------------------------------------ lifecycle
 
@@ -120,6 +148,8 @@ class BoundedHttpServer:
                 # How many connections asyncio accepts in one go, before any of
                 # them is admitted or evicted: each holds a descriptor until then.
                 backlog=ACCEPT_BATCH,
+                ssl=self._tls,
+                ssl_handshake_timeout=self.limits.header_timeout_s if self._tls else None,
             )
         )
         # The kernel's queue stays long: an overflow makes a client (a liveness
@@ -206,6 +236,9 @@ class BoundedHttpServer:
             return
         conn.reading = False
         method, path = _request_line(head)
+        if method == "POST" and self.post_handler is not None:
+            await self._answer_post(reader, writer, head, path)
+            return
         if method not in ("GET", "HEAD"):
             await self._send(writer, HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n", method)
             return
@@ -216,6 +249,32 @@ class BoundedHttpServer:
             loop = asyncio.get_running_loop()
             status, ctype, body = await loop.run_in_executor(self._pool, self.handler, route)
         await self._send(writer, HTTPStatus(status), body, method, ctype)
+
+    async def _answer_post(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes, path: str
+    ) -> None:
+        assert self.post_handler is not None
+        length = _content_length(head)
+        if length is None:
+            await self._send(writer, HTTPStatus.LENGTH_REQUIRED, b"Content-Length required\n", "")
+            return
+        if length > self.limits.max_body_bytes:
+            self.stats.dropped["too_large"] += 1
+            msg = f"body over {self.limits.max_body_bytes} bytes\n".encode()
+            await self._send(writer, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, msg, "")
+            return
+        try:
+            body = await asyncio.wait_for(reader.readexactly(length), self.limits.body_timeout_s)
+        except TimeoutError:
+            self.stats.dropped["timeout"] += 1
+            return
+        except asyncio.IncompleteReadError:
+            return
+        loop = asyncio.get_running_loop()
+        handler = self.post_handler
+        route = path.split("?", 1)[0]
+        status, ctype, answer = await loop.run_in_executor(self._pool, handler, route, body)
+        await self._send(writer, HTTPStatus(status), answer, "POST", ctype)
 
     async def _send(
         self,
@@ -243,3 +302,19 @@ def _request_line(head: bytes) -> tuple[str, str]:
     if len(parts) != 3 or not parts[2].startswith("HTTP/"):
         return "", ""
     return parts[0], parts[1]
+
+
+def _content_length(head: bytes) -> int | None:
+    """The declared body length; None when absent, malformed or chunked."""
+    length: int | None = None
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        key = name.strip().lower()
+        if key == b"transfer-encoding":
+            return None
+        if key == b"content-length":
+            text = value.strip()
+            if not text.isdigit() or (length is not None and int(text) != length):
+                return None
+            length = int(text)
+    return length
