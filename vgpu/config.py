@@ -67,6 +67,7 @@ class Settings:
         return Path("/var/lib/kubelet/plugins") / f"vgpu.{self.resource_domain}"
 
     context_overhead_mib: int = 0
+    api_unready_after_s: float = 60.0
 
     def public(self) -> dict[str, Any]:
         """The effective settings as plain data (for the start-up log and `config`)."""
@@ -117,6 +118,9 @@ KEYS: dict[str, str] = {
     "cdi_dir": "dra: where CDI spec files are written for the container runtime",
     "context_overhead_mib": (
         "per-card CUDA context memory (MiB) the hook charges where NVML cannot measure it (0-65536)"
+    ),
+    "api_unready_after_s": (
+        "/readyz turns not-ready once the API server has been unreachable this long (5-86400)"
     ),
 }
 _PATHS = {
@@ -223,6 +227,8 @@ def _convert(key: str, value: Any, source: str) -> Any:
         return _float(value, 1.0, 3600.0, bad)
     if key == "context_overhead_mib":
         return _int(value, 0, 65536, bad)
+    if key == "api_unready_after_s":
+        return _float(value, 5.0, 86400.0, bad)
     if key == "ignored_xids":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list | tuple):

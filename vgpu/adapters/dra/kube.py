@@ -116,9 +116,12 @@ def _list_watch(
             if _status_of(exc) == 410:
                 version = None
                 continue
-            log.warning(
-                "%s: API server error (%s), retrying in %.1fs", name, type(exc).__name__, backoff
-            )
+            from vgpu.adapters.kube_errors import api_error_text
+
+            owner = getattr(list_fn, "__self__", None)
+            config = getattr(getattr(owner, "api_client", None), "configuration", None)
+            address = str(getattr(config, "host", "(unknown address)"))
+            log.warning("%s: %s; retrying in %.1fs", name, api_error_text(exc, address), backoff)
             version = None
             if stop.wait(backoff):
                 return
