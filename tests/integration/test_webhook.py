@@ -580,3 +580,28 @@ def test_vgpu_webhook_as_a_subprocess(api: FakeApiServer, kubeconfig: Path) -> N
                 proc.wait()
         output = proc.stdout.read().decode() if proc.stdout else ""
         assert "created the serving certificate" in output
+
+
+def test_reviews_reuse_one_kept_alive_connection(start: Start) -> None:
+    """As the API server does: no TLS handshake per review."""
+    webhook = start()
+    assert webhook.http is not None
+    conn = http.client.HTTPSConnection(
+        "127.0.0.1", webhook.http.port, context=tls_context(webhook), timeout=10
+    )
+    try:
+        socks = set()
+        for path in ("/mutate", "/validate", "/mutate"):
+            conn.request("POST", path, review(model_pod({CORE: "100"})))
+            reply = conn.getresponse()
+            assert reply.status == 200 and reply.getheader("Connection") == "keep-alive"
+            assert json.loads(reply.read())["response"]["allowed"] is True
+            assert conn.sock is not None
+            socks.add(id(conn.sock))
+        assert len(socks) == 1
+        # A refused body closes the connection.
+        conn.request("POST", "/validate", b"{")
+        reply = conn.getresponse()
+        assert reply.status == 400 and reply.getheader("Connection") == "close"
+    finally:
+        conn.close()

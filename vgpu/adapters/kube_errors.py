@@ -32,6 +32,16 @@ def _os_error(exc: BaseException) -> OSError | None:
     return None
 
 
+def _transport(exc: BaseException) -> bool:
+    """A network-side failure (urllib3's errors, timeouts, OSError)."""
+    for cls in type(exc).__mro__:
+        if cls.__module__.startswith(("urllib3", "http.client", "ssl")) or issubclass(
+            cls, OSError | TimeoutError
+        ):
+            return True
+    return "Timeout" in type(exc).__name__
+
+
 def api_error_text(exc: BaseException, address: str) -> str:
     """e.g. 'API server https://10.96.0.1:443: HTTP 403 Forbidden; the service account
     lacks a permission: check the ClusterRole and its binding'."""
@@ -48,8 +58,13 @@ def api_error_text(exc: BaseException, address: str) -> str:
     if oserr is not None:
         name = errno.errorcode.get(oserr.errno or 0, str(oserr.errno))
         what = f"{name} ({oserr.strerror or oserr})"
-    else:
+    elif _transport(exc):
         what = f"{type(exc).__name__}: {str(exc)[:200]}"
+    else:  # raised on this side: a client or configuration problem, not the network
+        return (
+            f"API server {address}: the request failed in the client "
+            f"({type(exc).__name__}: {str(exc)[:300]}); check the kubeconfig and the object sent"
+        )
     return (
         f"API server {address} unreachable: {what}; check that the API server is up and "
         "that this pod can reach it (Service kubernetes.default, network policies, "

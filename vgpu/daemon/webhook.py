@@ -444,6 +444,7 @@ class Webhook:
             header_timeout_s=5.0,
             write_timeout_s=5.0,
             body_timeout_s=5.0,
+            keep_alive_s=30.0,
             max_body_bytes=admission.MAX_REVIEW_BYTES,
             workers=4,
         )
