@@ -605,3 +605,28 @@ def test_reviews_reuse_one_kept_alive_connection(start: Start) -> None:
         assert reply.status == 400 and reply.getheader("Connection") == "close"
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--secret", "no-slash"], "--secret 'no-slash' is not NAMESPACE/NAME"),
+        (["--secret", "ns/s"], "--secret needs the names to certify"),
+        (["--secret", "ns/s", "--service", "ns/svc"], "needs an API server"),
+        (["--listen", "nowhere"], "--listen 'nowhere' is not HOST:PORT"),
+        (["--cert-dir", "/nonexistent/vgpu"], "no tls.crt and tls.key in /nonexistent/vgpu"),
+        (["--cert-validity-s", "1"], "--cert-validity-s must be"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_fix(args: list[str], fragment: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vgpu", "webhook", "--listen", "127.0.0.1:0", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert fragment in proc.stderr, proc.stderr

@@ -209,18 +209,64 @@ def _webhook_parser(sub: Any) -> None:
         "webhook", help="admission webhook: vgpu pods get the vgpu scheduler, bad requests refused"
     )
     p.add_argument("--config", metavar="FILE", type=Path, help="YAML config file (version: v1)")
-    p.add_argument("--listen", default="0.0.0.0:8443", metavar="HOST:PORT")
-    p.add_argument("--kubeconfig", type=Path, default=None)
-    p.add_argument("--cert-dir", type=Path, default=Path("/var/run/vgpu-webhook/certs"))
-    p.add_argument("--tls-san", action="append", default=[], metavar="NAME_OR_IP")
-    p.add_argument("--secret", default="", metavar="NAMESPACE/NAME")
-    p.add_argument("--service", default="", metavar="NAMESPACE/NAME")
-    p.add_argument("--mutating-config", default="", metavar="NAME")
-    p.add_argument("--validating-config", default="", metavar="NAME")
-    p.add_argument("--scheduler-name", default="vgpu-scheduler", metavar="NAME")
-    p.add_argument("--resource-domain", default=None)
-    p.add_argument("--cert-validity-s", type=float, default=365 * 86400.0, metavar="S")
-    p.add_argument("--cert-check-interval-s", type=float, default=60.0, metavar="S")
+    p.add_argument(
+        "--listen", default="0.0.0.0:8443", metavar="HOST:PORT", help="HTTPS (default :8443)"
+    )
+    p.add_argument("--kubeconfig", type=Path, default=None, help="default: in-cluster")
+    p.add_argument(
+        "--cert-dir",
+        type=Path,
+        default=Path("/var/run/vgpu-webhook/certs"),
+        help="ca.crt, tls.crt and tls.key: written here (--secret), else read from here",
+    )
+    p.add_argument(
+        "--tls-san",
+        action="append",
+        default=[],
+        metavar="NAME_OR_IP",
+        help="extra DNS name or IP in the serving certificate (repeatable)",
+    )
+    p.add_argument(
+        "--secret",
+        default="",
+        metavar="NAMESPACE/NAME",
+        help="self-managed certificate kept in this Secret; unset: --cert-dir is mounted "
+        "(cert-manager) and only read",
+    )
+    p.add_argument("--service", default="", metavar="NAMESPACE/NAME", help="the Service to certify")
+    p.add_argument(
+        "--mutating-config",
+        default="",
+        metavar="NAME",
+        help="MutatingWebhookConfiguration: caBundle patched, owner of the Secret",
+    )
+    p.add_argument(
+        "--validating-config",
+        default="",
+        metavar="NAME",
+        help="ValidatingWebhookConfiguration: caBundle patched",
+    )
+    p.add_argument(
+        "--scheduler-name",
+        default="vgpu-scheduler",
+        metavar="NAME",
+        help="set on vgpu pods left to the default scheduler; empty: no mutation",
+    )
+    p.add_argument("--resource-domain", default=None, help="default: from --config, vendor.io")
+    p.add_argument(
+        "--cert-validity-s",
+        type=float,
+        default=365 * 86400.0,
+        metavar="S",
+        help="self-made serving certificate's validity (renewed at 2/3); default 1 year",
+    )
+    p.add_argument(
+        "--cert-check-interval-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="how often the Secret or the files are checked (default 60)",
+    )
 
 
 def _webhook(args: argparse.Namespace) -> int:

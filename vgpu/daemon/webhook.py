@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import logging
+import os
 import sys
 import threading
 import time
@@ -357,7 +358,19 @@ class Webhook:
         settings.check()
         self.settings = settings
         self.stop = threading.Event()
-        api = WebhookApi(settings.kubeconfig) if settings.secret else None
+        api = None
+        if settings.secret:
+            if settings.kubeconfig is None and not os.environ.get("KUBERNETES_SERVICE_HOST"):
+                raise ConfigError(
+                    "--secret needs an API server: pass --kubeconfig FILE, or run in a cluster "
+                    "(the in-cluster service account is used there)"
+                )
+            try:
+                api = WebhookApi(settings.kubeconfig)
+            except Exception as exc:  # the client's config errors, a missing file
+                raise ConfigError(
+                    f"cannot use kubeconfig {settings.kubeconfig or '(in-cluster)'}: {exc}"
+                ) from None
         self.keeper = CertKeeper(settings, api)
         self.metrics = WebhookMetrics(self.keeper)
         self.http: BoundedHttpServer | None = None
