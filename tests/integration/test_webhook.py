@@ -371,6 +371,13 @@ def test_mounted_certificate_mode_reads_and_reloads(
     certs.write_cert_dir(cert_dir, certs.make_bundle(names, 3600, time.time()))
     webhook = start(secret="", cert_dir=cert_dir, mutating_config="", validating_config="")
     first = served_cert(webhook)
+    # A key that does not match the certificate (a half-done update) is not loaded.
+    other = certs.make_bundle(names, 3600, time.time())
+    (cert_dir / "tls.key").write_bytes(other.tls_key)
+    reloads = webhook.keeper.reloads
+    time.sleep(1.0)  # five checks
+    assert webhook.keeper.reloads == reloads
+    assert served_cert(webhook, verify=False) == first
     certs.write_cert_dir(cert_dir, certs.make_bundle(names, 3600, time.time()))
     wait_for(lambda: served_cert(webhook, verify=False) != first, 5, "the reloaded certificate")
     served_cert(webhook)  # and it verifies against the new CA

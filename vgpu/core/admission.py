@@ -22,6 +22,7 @@ sent to the webhook at all, so `failurePolicy: Fail` blocks nothing else.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -211,8 +212,6 @@ def response(
     if not allowed:
         answer["status"] = {"code": 422, "reason": "Invalid", "message": message}
     if patch:
-        import base64
-
         answer["patchType"] = "JSONPatch"
         answer["patch"] = base64.b64encode(json.dumps(list(patch)).encode()).decode()
     if warnings:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -335,11 +336,12 @@ class CertKeeper:
             bundle = found
         if bundle == self.loaded:
             return False
-        self.not_after_s = certs.cert_facts(bundle.tls_crt).not_after_s
+        not_after_s = certs.cert_facts(bundle.tls_crt).not_after_s
+        for callback in self.on_reload:
+            callback(directory)  # raises (and is tried again next time) on a bad pair
+        self.not_after_s = not_after_s
         self.loaded = bundle
         self.reloads += 1
-        for callback in self.on_reload:
-            callback(directory)
         log.info(
             "serving certificate loaded from %s (expires %s)",
             directory,
@@ -391,8 +393,6 @@ class Webhook:
                 self.metrics.duration.labels(path).observe(time.perf_counter() - start)
 
     def _admit(self, path: str, body: bytes) -> tuple[int, str, bytes, str]:
-        import json
-
         if path not in ("/mutate", "/validate"):
             return 404, "text/plain", b"not found: POST /mutate or /validate\n", "not_found"
         try:
