@@ -85,3 +85,26 @@ def test_readyz_reports_http_errors_too(node: tuple[SimNode, str]) -> None:
     finally:
         sim.api.set_down(False)
     assert wait_until(lambda: readyz(url)[0] == 200, 60, interval_s=0.2)
+
+
+@pytest.mark.timeout(180)
+def test_dra_mode_readyz_follows_the_claim_watch() -> None:
+    from vgpu.sim.draharness import DraSimNode
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with DraSimNode(
+        daemon_args=["--metrics-address", f"127.0.0.1:{port}"],
+        env={"VGPU_API_UNREADY_AFTER_S": "5"},
+    ) as sim:
+        api_url = sim.api.url
+        assert wait_until(lambda: readyz(url)[0] == 200, 20)
+        sim.api.stop()
+        try:
+            assert wait_until(lambda: readyz(url)[0] == 503, 30, interval_s=0.2)
+            text = readyz(url)[1]
+            assert f"API server {api_url} unreachable: ECONNREFUSED" in text, text
+            assert "claim watch: API server" in sim.log()
+        finally:
+            sim.api.start()
+        assert wait_until(lambda: readyz(url)[0] == 200, 60, interval_s=0.2)

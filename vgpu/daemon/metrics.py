@@ -182,11 +182,13 @@ class Metrics:
 
     def not_ready(self) -> str:
         """'' while ready: the API server was reachable within api_unready_after_s."""
-        health = getattr(getattr(self.daemon, "pods", None), "health", None)
-        if not isinstance(health, ApiHealth):
-            return ""  # no API server configured: nothing to wait for
         limit = float(getattr(self.daemon.settings, "api_unready_after_s", 60.0))
-        return health.not_ready(time.monotonic(), limit)
+        # The device plugin's pod cache, or DRA mode's claim cache.
+        for source in ("pods", "claims"):
+            health = getattr(getattr(self.daemon, source, None), "health", None)
+            if isinstance(health, ApiHealth):
+                return health.not_ready(time.monotonic(), limit)
+        return ""  # no API server configured: nothing to wait for
 
     def serve(self, address: str) -> None:
         host, _, port = address.rpartition(":")
