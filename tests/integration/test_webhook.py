@@ -298,7 +298,7 @@ def test_two_replicas_racing_share_one_certificate(api: FakeApiServer, start: St
         assert call(webhook, "GET", "/readyz")[0] == 200
 
 
-def served_cert(webhook: Webhook, verify: bool = True) -> bytes:
+def served_cert(webhook: Webhook, verify: bool = True, sni: str | None = SERVICE_DNS) -> bytes:
     assert webhook.http is not None
     ctx = tls_context(webhook)
     if not verify:  # the files may be half-way through a change
@@ -306,7 +306,7 @@ def served_cert(webhook: Webhook, verify: bool = True) -> bytes:
         ctx.verify_mode = ssl.CERT_NONE
     with (
         socket.create_connection(("127.0.0.1", webhook.http.port), timeout=5) as raw,
-        ctx.wrap_socket(raw, server_hostname=SERVICE_DNS) as tls,
+        ctx.wrap_socket(raw, server_hostname=sni) as tls,
     ):
         der = tls.getpeercert(binary_form=True)
         assert der is not None
@@ -314,15 +314,24 @@ def served_cert(webhook: Webhook, verify: bool = True) -> bytes:
 
 
 def test_rotation_before_expiry_without_restart(api: FakeApiServer, start: Start) -> None:
-    # 3 s validity: renewed at 2 s, checked every 0.2 s.
-    a = start(cert_validity_s=3.0)
-    b = start(cert_validity_s=3.0)
+    # 6 s validity: renewed at 4 s (then every 4 s), checked every 0.2 s.
+    a = start(cert_validity_s=6.0)
+    b = start(cert_validity_s=6.0)
     first = served_cert(a)
     first_secret = api.get_webhook_object("secrets", SECRET, NS)
     assert first_secret is not None
     wait_for(lambda: a.keeper.reloads >= 2 and b.keeper.reloads >= 2, 15, "a renewal")
     second = wait_for(lambda: (c := served_cert(a)) != first and c, 5, "the new certificate")
     assert served_cert(b) == second  # the other replica adopted the renewal
+    # A client reaching it by IP sends no SNI (--tls-san 127.0.0.1): swapped too.
+    ctx = tls_context(a)
+    ctx.check_hostname = False
+    assert a.http is not None
+    with (
+        socket.create_connection(("127.0.0.1", a.http.port), timeout=5) as raw,
+        ctx.wrap_socket(raw) as tls,
+    ):
+        assert tls.getpeercert(binary_form=True) == second
     secret = api.get_webhook_object("secrets", SECRET, NS)
     assert secret is not None
     assert secret["data"]["tls.crt"] != first_secret["data"]["tls.crt"]
