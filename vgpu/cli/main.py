@@ -263,9 +263,9 @@ def _webhook_parser(sub: Any) -> None:
     p.add_argument(
         "--cert-check-interval-s",
         type=float,
-        default=60.0,
+        default=10.0,
         metavar="S",
-        help="how often the Secret or the files are checked (default 60)",
+        help="how often the Secret or the files are checked (default 10)",
     )
 
 

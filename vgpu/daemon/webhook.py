@@ -72,7 +72,9 @@ class WebhookSettings:
     resource_domain: str = "vendor.io"
     memory_unit_mib: int = 256
     cert_validity_s: float = 365 * 86400.0
-    cert_check_interval_s: float = 60.0
+    # Short: a `helm upgrade` re-applies the configurations with an empty
+    # caBundle, and vgpu pods are refused until it is patched again.
+    cert_check_interval_s: float = 10.0
     log_format: str = "text"
     log_level: str = "info"
 
@@ -491,6 +493,8 @@ class Webhook:
                 self.keeper.refresh()
             except (KubeUnavailable, ConfigError, OSError, ValueError) as exc:
                 log.warning("certificate check failed, serving the loaded one: %s", exc)
+            except Exception:  # never let the renewal loop die
+                log.exception("certificate check failed, serving the loaded one")
 
     def shutdown(self) -> None:
         self.stop.set()
