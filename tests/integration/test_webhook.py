@@ -646,3 +646,22 @@ def test_bad_flags_exit_2_naming_the_fix(args: list[str], fragment: str) -> None
     )
     assert proc.returncode == 2, proc.stderr
     assert fragment in proc.stderr, proc.stderr
+
+
+def test_a_slow_head_or_handshake_is_cut(start: Start) -> None:
+    """Slowloris: a head that never ends, or a TLS handshake never started, is
+    cut after the 5 s header timeout while other reviews are answered."""
+    webhook = start()
+    assert webhook.http is not None
+    port = webhook.http.port
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=15) as silent,
+        socket.create_connection(("127.0.0.1", port), timeout=15) as raw,
+        tls_context(webhook).wrap_socket(raw, server_hostname=SERVICE_DNS) as tls,
+    ):
+        tls.sendall(b"POST /validate HTTP/1.1\r\nHost: x\r\n")  # never finished
+        assert admit(webhook, "/validate", model_pod({CORE: "100"}))["allowed"] is True
+        t0 = time.monotonic()
+        assert tls.recv(100) == b""  # closed by the server
+        assert silent.recv(100) == b""
+        assert time.monotonic() - t0 < 10
