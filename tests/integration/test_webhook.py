@@ -665,3 +665,86 @@ def test_a_slow_head_or_handshake_is_cut(start: Start) -> None:
         assert tls.recv(100) == b""  # closed by the server
         assert silent.recv(100) == b""
         assert time.monotonic() - t0 < 10
+
+
+def _spawn(kubeconfig: Path, port: int, cert_dir: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vgpu",
+            "webhook",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--cert-dir",
+            str(cert_dir),
+            "--secret",
+            f"{NS}/{SECRET}",
+            "--service",
+            f"{NS}/vgpu-webhook",
+            "--tls-san",
+            "127.0.0.1",
+            "--mutating-config",
+            MUT,
+            "--validating-config",
+            VAL,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _peer_cert(port: int, cafile: Path) -> bytes | None:
+    try:
+        ctx = ssl.create_default_context(cafile=str(cafile))
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=2) as raw,
+            ctx.wrap_socket(raw, server_hostname=SERVICE_DNS) as tls,
+        ):
+            return tls.getpeercert(binary_form=True)
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.timeout(120)
+def test_two_webhook_processes_race_for_one_secret(api: FakeApiServer, kubeconfig: Path) -> None:
+    """Two replicas as real processes, started together: one Secret, one certificate."""
+    with tempfile.TemporaryDirectory(prefix="vgwh") as d:
+        dirs = [Path(d) / "a", Path(d) / "b"]
+        ports = [_free_port(), _free_port()]
+        procs = [
+            _spawn(kubeconfig, port, cert_dir) for port, cert_dir in zip(ports, dirs, strict=True)
+        ]
+        try:
+            served = [
+                wait_for(
+                    lambda p=port, c=cert_dir: _peer_cert(p, c / "ca.crt"), 40, "both replicas"
+                )
+                for port, cert_dir in zip(ports, dirs, strict=True)
+            ]
+            assert served[0] == served[1]
+            assert (dirs[0] / "tls.key").read_bytes() == (dirs[1] / "tls.key").read_bytes()
+            secret = api.get_webhook_object("secrets", SECRET, NS)
+            assert secret is not None
+            assert base64.b64decode(secret["data"]["tls.crt"]) == (dirs[0] / "tls.crt").read_bytes()
+            for proc in procs:
+                proc.send_signal(signal.SIGTERM)
+            assert [proc.wait(15) for proc in procs] == [0, 0]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        logs = [proc.stdout.read().decode() if proc.stdout else "" for proc in procs]
+        created = sum("created the serving certificate" in log for log in logs)
+        adopted = sum("written by another replica" in log for log in logs)
+        assert created == 1, logs
+        assert adopted <= 1, logs
