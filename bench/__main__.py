@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import admission, dra, extender, footprint, hooks, packing, preload, scale
+from bench import admission, dra, extender, footprint, hooks, packing, preload, scale, webhook
 from bench.common import Json, machine
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
@@ -33,6 +33,7 @@ class Plan:
     extender_slices: int = 20000
     extender_pods: int = 400
     preload: tuple[int, int, int] = (5, 1000, 40)  # rounds, /bin/true and python3 starts
+    webhook_requests: int = 1000
 
 
 FULL = Plan(
@@ -49,6 +50,7 @@ QUICK = Plan(
     extender_slices=2000,
     extender_pods=100,
     preload=(1, 50, 2),
+    webhook_requests=200,
 )
 
 
@@ -64,6 +66,7 @@ def sections(plan: Plan) -> dict[str, Callable[[], Json]]:
             plan.extender_nodes, plan.extender_slices, plan.extender_pods
         ),
         "preload": lambda: preload.run(*plan.preload),
+        "webhook": lambda: webhook.run(plan.webhook_requests),
     }
 
 
@@ -194,6 +197,21 @@ def _rows_extender(r: Json) -> list[list[str]]:
     return rows
 
 
+def _rows_webhook(r: Json) -> list[list[str]]:
+    rows = [["", "kept-alive p50/p99 ms", "new conn p50/p99 ms", "handler p50/p99 ms"]]
+    for name in ("validate", "mutate"):
+        k, n, h = r[name]["kept_alive"], r[name]["new_connection"], r[name]["handler"]
+        rows.append(
+            [
+                f"/{name}",
+                f"{k['p50_ms']:.2f} / {k['p99_ms']:.2f}",
+                f"{n['p50_ms']:.2f} / {n['p99_ms']:.2f}",
+                f"{h['p50_ms']:.3f} / {h['p99_ms']:.3f}",
+            ]
+        )
+    return rows
+
+
 ROWS: dict[str, Callable[[Json], list[list[str]]]] = {
     "admission": _rows_admission,
     "scale": _rows_scale,
@@ -203,6 +221,7 @@ ROWS: dict[str, Callable[[Json], list[list[str]]]] = {
     "dra": _rows_dra,
     "extender": _rows_extender,
     "preload": _rows_preload,
+    "webhook": _rows_webhook,
 }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("admission", "scale", "footprint", "packing", "hooks", "dra", "extender")
+SECTIONS = ("admission", "scale", "footprint", "packing", "hooks", "dra", "extender", "webhook")
 
 
 def _numbers(value: Any) -> list[float]:
@@ -89,6 +89,14 @@ def test_bench_quick_writes_every_section(tmp_path: Path) -> None:
     for verb in ("filter", "prioritize", "bind"):
         assert ext["vgpu"][verb]["p99_ms"] >= ext["vgpu"][verb]["p50_ms"] > 0
     assert len(ext["targets"]) == 5
+
+    hook = sections["webhook"]
+    for name in ("validate", "mutate"):
+        kept, fresh = hook[name]["kept_alive"], hook[name]["new_connection"]
+        assert kept["requests"] == 200 and 0 < kept["p50_ms"] <= kept["p99_ms"]
+        assert fresh["requests"] == 100 and 0 < fresh["p50_ms"] <= fresh["p99_ms"]
+        assert 0 < hook[name]["handler"]["p50_ms"] <= kept["p50_ms"]
+    assert len(hook["targets"]) == 2
 
     hooks = sections["hooks"]
     if hooks["available"]:

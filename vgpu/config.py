@@ -69,6 +69,7 @@ class Settings:
 
     context_overhead_mib: int = 0
     hook_injection: str = "ld-so-preload"
+    api_unready_after_s: float = 60.0
 
     def public(self) -> dict[str, Any]:
         """The effective settings as plain data (for the start-up log and `config`)."""
@@ -123,6 +124,9 @@ KEYS: dict[str, str] = {
     "hook_injection": (
         "how sliced containers load the hook: ld-so-preload (a read-only /etc/ld.so.preload "
         "mount plus LD_PRELOAD) or env (LD_PRELOAD only)"
+    ),
+    "api_unready_after_s": (
+        "/readyz turns not-ready once the API server has been unreachable this long (5-86400)"
     ),
 }
 _PATHS = {
@@ -229,6 +233,8 @@ def _convert(key: str, value: Any, source: str) -> Any:
         return _float(value, 1.0, 3600.0, bad)
     if key == "context_overhead_mib":
         return _int(value, 0, 65536, bad)
+    if key == "api_unready_after_s":
+        return _float(value, 5.0, 86400.0, bad)
     if key == "ignored_xids":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list | tuple):

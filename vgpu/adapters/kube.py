@@ -13,13 +13,16 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from vgpu.adapters.kube_errors import api_error_text
 from vgpu.core.annotations import assignment_key, parse_assignment
 from vgpu.core.model import CardUuid, ContainerSpec, Request, Resource
+from vgpu.core.readiness import ApiHealth
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +259,22 @@ class KubePodCache:
         self._version = 0
         self._patches: queue.Queue[tuple[str, str, dict[str, str | None]]] = queue.Queue()
         self._api: Any = None
+        self.health = ApiHealth()  # the daemon's /readyz reads it
 
     # ------------------------------------------------------------ client
+
+    def address(self) -> str:
+        """The API server's URL, for messages."""
+        if self._api is not None:
+            return str(self._api.api_client.configuration.host)
+        return f"of kubeconfig {self.kubeconfig}" if self.kubeconfig else "(in-cluster)"
+
+    def _failed(self, exc: BaseException, backoff: float) -> None:
+        text = api_error_text(exc, self.address())
+        self.health.failed(time.monotonic(), text)
+        log.warning(
+            "watching pods of node %s: %s; retrying in %.1fs", self.node_name, text, backoff
+        )
 
     def _client(self) -> Any:
         if self._api is None:
@@ -373,6 +390,7 @@ class KubePodCache:
                     for item in data.get("items", []):
                         self._apply("ADDED", item)
                     resource_version = data["metadata"]["resourceVersion"]
+                    self.health.ok()
                     self._synced = True
                     if self.on_pod_gone:
                         self.on_pod_gone()
@@ -391,6 +409,7 @@ class KubePodCache:
                     if stop.is_set():
                         w.stop()
                         break
+                    self.health.ok()
                     raw = event.get("raw_object") or {}
                     kind = event.get("type")
                     if kind == "ERROR":
@@ -406,20 +425,19 @@ class KubePodCache:
                         continue
                     if self._apply(str(kind), raw) and self.on_pod_gone:
                         self.on_pod_gone()
+                self.health.ok()  # the watch ended by its timeout: the server answered
                 backoff = 0.5
             except ApiException as exc:
                 if exc.status == 410:
                     resource_version = None
                     continue
                 self._synced = False
-                log.warning("API server error %s, retrying in %.1fs", exc.status, backoff)
+                self._failed(exc, backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
             except Exception as exc:  # urllib3, socket and client errors alike
                 self._synced = False
-                log.warning(
-                    "API server unreachable (%s), retrying in %.1fs", type(exc).__name__, backoff
-                )
+                self._failed(exc, backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
 
@@ -446,7 +464,11 @@ class KubePodCache:
                     if status == 404:
                         break
                     log.debug(
-                        "annotating %s/%s failed (%s), attempt %d", namespace, pod, exc, attempt
+                        "annotating %s/%s failed (%s), attempt %d",
+                        namespace,
+                        pod,
+                        api_error_text(exc, self.address()),
+                        attempt,
                     )
                     if stop.wait(min(2**attempt * 0.5, 10)):
                         return
@@ -522,11 +544,15 @@ class KubeNodePublisher:
                 self._patch(wanted)
                 backoff = 0.5
             except Exception as exc:  # client, urllib3 and socket errors alike
-                status = getattr(exc, "status", None)
+                address = (
+                    str(self._api.api_client.configuration.host)
+                    if self._api is not None
+                    else "(not connected)"
+                )
                 log.warning(
-                    "cannot annotate node %s (%s), retrying in %.1fs",
+                    "cannot annotate node %s: %s; retrying in %.1fs",
                     self.node_name,
-                    f"HTTP {status}" if status else type(exc).__name__,
+                    api_error_text(exc, address),
                     backoff,
                 )
                 with self._cond:

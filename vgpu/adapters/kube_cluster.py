@@ -222,6 +222,13 @@ class ClusterCache:
             if info.specs:
                 self.sink.pod_changed(info)
 
+    def _error_text(self, exc: BaseException) -> str:
+        from vgpu.adapters.kube_errors import api_error_text
+
+        api = getattr(self, "_api", None)
+        config = getattr(getattr(api, "api_client", None), "configuration", None)
+        return api_error_text(exc, str(getattr(config, "host", "(not connected)")))
+
     # -------------------------------------------------------------- loop
 
     def _loop(self, kind: str, stop: threading.Event) -> None:
@@ -267,17 +274,12 @@ class ClusterCache:
                     version = None
                     continue
                 self.sink.synced(kind, False)
-                log.warning("%s watch: API error %s, retrying in %.1fs", kind, exc.status, backoff)
+                log.warning("%s watch: %s; retrying in %.1fs", kind, self._error_text(exc), backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
             except Exception as exc:  # urllib3, socket and client errors alike
                 self.sink.synced(kind, False)
-                log.warning(
-                    "%s watch: API server unreachable (%s), retrying in %.1fs",
-                    kind,
-                    type(exc).__name__,
-                    backoff,
-                )
+                log.warning("%s watch: %s; retrying in %.1fs", kind, self._error_text(exc), backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
 
@@ -311,10 +313,11 @@ class KubeBinder:
                 detail = str(exc.reason or "")
             raise BindError(f"{what}: HTTP {exc.status}: {detail or exc.reason}") from None
         except Exception as exc:  # urllib3, socket and client errors alike
-            raise BindError(
-                f"{what}: API server unreachable ({type(exc).__name__}); "
-                "the scheduler retries the pod"
-            ) from None
+            from vgpu.adapters.kube_errors import api_error_text
+
+            host = getattr(getattr(self._api, "api_client", None), "configuration", None)
+            text = api_error_text(exc, str(getattr(host, "host", "(not connected)")))
+            raise BindError(f"{what}: {text}; the scheduler retries the pod") from None
         data = reply.data
         reply.release_conn()
         return data

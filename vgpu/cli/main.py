@@ -86,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     for flag, kwargs in EXTENDER_FLAGS:
         extender.add_argument(flag, default=None, **kwargs)
 
+    _webhook_parser(sub)
+
     demo = sub.add_parser("demo", help="mock GPUs against the built-in kubelet simulator")
     demo.add_argument("--gpus", default="preset:2xH200", help="mock cards (default preset:2xH200)")
     demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "extender":
             return _extender(args)
+        if args.command == "webhook":
+            return _webhook(args)
         if args.command == "demo":
             if args.dra:
                 from vgpu.cli.drademo import run_dra_demo
@@ -202,6 +206,100 @@ def _extender(args: argparse.Namespace) -> int:
     settings = config.load_extender(_flags(args, EXTENDER_FLAGS), config_file=args.config)
     logs.configure(settings.log_format, settings.log_level)
     return _exit(extender.run(settings))
+
+
+def _webhook_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "webhook", help="admission webhook: vgpu pods get the vgpu scheduler, bad requests refused"
+    )
+    p.add_argument("--config", metavar="FILE", type=Path, help="YAML config file (version: v1)")
+    p.add_argument(
+        "--listen", default="0.0.0.0:8443", metavar="HOST:PORT", help="HTTPS (default :8443)"
+    )
+    p.add_argument("--kubeconfig", type=Path, default=None, help="default: in-cluster")
+    p.add_argument(
+        "--cert-dir",
+        type=Path,
+        default=Path("/var/run/vgpu-webhook/certs"),
+        help="ca.crt, tls.crt and tls.key: written here (--secret), else read from here",
+    )
+    p.add_argument(
+        "--tls-san",
+        action="append",
+        default=[],
+        metavar="NAME_OR_IP",
+        help="extra DNS name or IP in the serving certificate (repeatable)",
+    )
+    p.add_argument(
+        "--secret",
+        default="",
+        metavar="NAMESPACE/NAME",
+        help="self-managed certificate kept in this Secret; unset: --cert-dir is mounted "
+        "(cert-manager) and only read",
+    )
+    p.add_argument("--service", default="", metavar="NAMESPACE/NAME", help="the Service to certify")
+    p.add_argument(
+        "--mutating-config",
+        default="",
+        metavar="NAME",
+        help="MutatingWebhookConfiguration: caBundle patched, owner of the Secret",
+    )
+    p.add_argument(
+        "--validating-config",
+        default="",
+        metavar="NAME",
+        help="ValidatingWebhookConfiguration: caBundle patched",
+    )
+    p.add_argument(
+        "--scheduler-name",
+        default="vgpu-scheduler",
+        metavar="NAME",
+        help="set on vgpu pods left to the default scheduler; empty: no mutation",
+    )
+    p.add_argument("--resource-domain", default=None, help="default: from --config, vendor.io")
+    p.add_argument(
+        "--cert-validity-s",
+        type=float,
+        default=365 * 86400.0,
+        metavar="S",
+        help="self-made serving certificate's validity (renewed at 2/3); default 1 year",
+    )
+    p.add_argument(
+        "--cert-check-interval-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="how often the Secret or the files are checked (default 10)",
+    )
+
+
+def _webhook(args: argparse.Namespace) -> int:
+    from vgpu import config
+    from vgpu.daemon import logs, webhook
+
+    # The node's config file gives the domain, memory unit and logging: the
+    # webhook judges requests exactly as the node does.
+    flags = {"resource_domain": args.resource_domain}
+    node = config.load(flags, config_file=args.config)
+    settings = webhook.WebhookSettings(
+        listen=args.listen,
+        kubeconfig=args.kubeconfig,
+        cert_dir=args.cert_dir,
+        tls_san=tuple(args.tls_san),
+        secret=args.secret,
+        service=args.service,
+        mutating_config=args.mutating_config,
+        validating_config=args.validating_config,
+        scheduler_name=args.scheduler_name,
+        resource_domain=node.resource_domain,
+        memory_unit_mib=node.memory_unit_mib,
+        cert_validity_s=args.cert_validity_s,
+        cert_check_interval_s=args.cert_check_interval_s,
+        log_format=node.log_format,
+        log_level=node.log_level,
+    )
+    logs.configure(settings.log_format, settings.log_level)
+    return _exit(webhook.run(settings))
 
 
 if __name__ == "__main__":  # pragma: no cover

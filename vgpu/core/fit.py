@@ -100,6 +100,14 @@ def validate_request(request: Request, domain: str, unit_mib: int) -> None:
         )
 
 
+def check_container(spec: ContainerSpec, domain: str, unit_mib: int) -> None:
+    """The request rules for one container, as the node applies them at admission
+    and the webhook at create: InvalidRequest naming the problem and the fix."""
+    if spec.problem:
+        raise InvalidRequest(spec.problem)
+    validate_request(spec.request, domain, unit_mib)
+
+
 def describe_free(usages: Iterable[CardUsage], unit_mib: int) -> str:
     """Every card's free room, for refusal messages."""
     parts = []

@@ -413,9 +413,7 @@ class Ledger:
         previous, self._pending = self._pending, None
         if spec is not None:
             request = spec.request
-            if spec.problem:
-                raise InvalidRequest(spec.problem)
-            self.validate_request(request)
+            fit.check_container(spec, self.domain, self.memory_unit_mib)
         else:
             request = (
                 Request(core_percent=size)
@@ -792,9 +790,7 @@ class Ledger:
         if pending is None and resource is Resource.CORE and 0 < count < CORE_UNITS_PER_CARD:
             spec = self._match(resource, count, candidates)
             if spec is not None:
-                if spec.problem:
-                    raise InvalidRequest(spec.problem)
-                self.validate_request(spec.request)
+                fit.check_container(spec, self.domain, self.memory_unit_mib)
 
         if pending is not None and pending.key is not None:
             # The container's other resource is already placed: add this one.

@@ -11,6 +11,7 @@ take the threads or descriptors the kubelet's calls need.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -21,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from vgpu.adapters.httpserver import BoundedHttpServer, HttpStats
 from vgpu.core.model import Resource
+from vgpu.core.readiness import ApiHealth
 
 if TYPE_CHECKING:
     from vgpu.daemon.dra import DraDaemon
@@ -169,12 +171,32 @@ class Metrics:
             if self.daemon.stop.is_set():
                 return 503, "text/plain", b"stopping\n"
             return 200, "text/plain", b"ok\n"
+        if path == "/readyz":
+            if self.daemon.stop.is_set():
+                return 503, "text/plain", b"not ready: stopping\n"
+            reason = self.not_ready()
+            if reason:
+                return 503, "text/plain", f"not ready: {reason}\n".encode()
+            return 200, "text/plain", b"ok\n"
         return 404, "text/plain", b"not found\n"
+
+    def not_ready(self) -> str:
+        """'' while ready: the API server was reachable within api_unready_after_s."""
+        limit = float(getattr(self.daemon.settings, "api_unready_after_s", 60.0))
+        # The device plugin's pod cache, or DRA mode's claim cache.
+        for source in ("pods", "claims"):
+            health = getattr(getattr(self.daemon, source, None), "health", None)
+            if isinstance(health, ApiHealth):
+                return health.not_ready(time.monotonic(), limit)
+        return ""  # no API server configured: nothing to wait for
 
     def serve(self, address: str) -> None:
         host, _, port = address.rpartition(":")
         self._server = BoundedHttpServer(
-            host.strip("[]") or "0.0.0.0", int(port), self.answer, inline=("/healthz",)
+            host.strip("[]") or "0.0.0.0",
+            int(port),
+            self.answer,
+            inline=("/healthz", "/readyz"),
         )
         self._server.stats = self.http
         self._server.start()

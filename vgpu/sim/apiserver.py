@@ -731,6 +731,138 @@ class FakeApiServer:
     def delete_object(self, resource: str, name: str, namespace: str = "") -> None:
         self._delete(resource, (namespace, name))
 
+    # ------------------------------------------------------------------ webhook objects
+    # Secrets (v1) and the admissionregistration.k8s.io/v1 webhook configurations:
+    # get, list, create (409 AlreadyExists), replace and merge-patch (409 Conflict
+    # on a stale metadata.resourceVersion), delete (objects owned by the deleted
+    # one, by ownerReference uid, are garbage-collected at once). No watch.
+
+    def _webhook_store(self) -> dict[tuple[str, str, str], JSON]:
+        store: dict[tuple[str, str, str], JSON] | None = getattr(self, "_wh_objects", None)
+        if store is None:
+            store = {}
+            self._wh_objects: dict[tuple[str, str, str], JSON] = store
+        return store
+
+    def add_webhook_object(self, resource: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Store a Secret or webhook configuration (as ``kubectl create`` would)."""
+        meta = obj.get("metadata") or {}
+        return self._wh_create(resource, str(meta.get("namespace", "")), copy.deepcopy(obj))
+
+    def get_webhook_object(
+        self, resource: str, name: str, namespace: str = ""
+    ) -> dict[str, Any] | None:
+        with self._cond:
+            obj = self._webhook_store().get((resource, namespace, name))
+            return copy.deepcopy(obj) if obj is not None else None
+
+    def delete_webhook_object(self, resource: str, name: str, namespace: str = "") -> None:
+        with self._cond:
+            obj = self._webhook_store().pop((resource, namespace, name), None)
+            if obj is None:
+                raise KeyError(f"{resource} {namespace}/{name} not found")
+            uid = obj["metadata"]["uid"]
+            for key, other in list(self._webhook_store().items()):
+                owners = other["metadata"].get("ownerReferences") or []
+                if any(o.get("uid") == uid for o in owners):
+                    del self._webhook_store()[key]
+
+    def _wh_create(self, resource: str, namespace: str, obj: JSON) -> JSON:
+        kind, api_version = _WEBHOOK_RESOURCES[resource]
+        meta = obj.get("metadata")
+        if not isinstance(meta, dict) or not meta.get("name"):
+            raise _ApiError(422, f"{kind} is invalid: metadata.name: Required value")
+        obj["kind"], obj["apiVersion"] = kind, api_version
+        if resource == "secrets":
+            meta["namespace"] = namespace
+        key = (resource, namespace, str(meta["name"]))
+        with self._cond:
+            if key in self._webhook_store():
+                raise _ApiError(
+                    409,
+                    f'{resource} "{key[2]}" already exists',
+                    reason="AlreadyExists",
+                    name=key[2],
+                    kind=resource,
+                )
+            self._rv += 1
+            meta["uid"] = str(uuid.uuid4())
+            meta["creationTimestamp"] = _now_rfc3339()
+            meta["resourceVersion"] = str(self._rv)
+            self._webhook_store()[key] = obj
+            return copy.deepcopy(obj)
+
+    def _wh_replace(self, key: tuple[str, str, str], new: JSON) -> JSON:
+        with self._cond:
+            cur = self._webhook_store().get(key)
+            if cur is None:
+                raise _ApiError(404, f'{key[0]} "{key[2]}" not found', name=key[2], kind=key[0])
+            meta = new.get("metadata")
+            if not isinstance(meta, dict):
+                meta = new["metadata"] = {}
+            wanted = meta.get("resourceVersion")
+            if wanted is not None and wanted != cur["metadata"]["resourceVersion"]:
+                raise _ApiError(
+                    409,
+                    f'Operation cannot be fulfilled on {key[0]} "{key[2]}": the object has '
+                    "been modified; please apply your changes to the latest version and try again",
+                    name=key[2],
+                    kind=key[0],
+                )
+            for pinned in ("name", "namespace", "uid", "creationTimestamp"):
+                if pinned in cur["metadata"]:
+                    meta[pinned] = cur["metadata"][pinned]
+            new["kind"], new["apiVersion"] = cur["kind"], cur["apiVersion"]
+            self._rv += 1
+            meta["resourceVersion"] = str(self._rv)
+            self._webhook_store()[key] = new
+            return copy.deepcopy(new)
+
+    def _route_webhook_objects(
+        self, method: str, resource: str, namespace: str, name: str, body: bytes
+    ) -> tuple[int, JSON]:
+        if not name:
+            if method == "POST":
+                return 201, self._wh_create(resource, namespace, _json_body(body))
+            if method == "GET":
+                kind, api_version = _WEBHOOK_RESOURCES[resource]
+                with self._cond:
+                    items = [
+                        copy.deepcopy(o)
+                        for (r, ns, _), o in sorted(self._webhook_store().items())
+                        if r == resource and (not namespace or ns == namespace)
+                    ]
+                    rv = str(self._rv)
+                return 200, {
+                    "kind": f"{kind}List",
+                    "apiVersion": api_version,
+                    "metadata": {"resourceVersion": rv},
+                    "items": items,
+                }
+            raise _ApiError(405, f"{method} is not supported on a {resource} collection")
+        key = (resource, namespace, name)
+        if method == "GET":
+            obj = self.get_webhook_object(resource, name, namespace)
+            if obj is None:
+                raise _ApiError(404, f'{resource} "{name}" not found', name=name, kind=resource)
+            return 200, obj
+        if method == "PUT":
+            return 200, self._wh_replace(key, _json_body(body))
+        if method == "PATCH":
+            patch = _json_body(body)
+            with self._cond:
+                cur = self.get_webhook_object(resource, name, namespace)
+                if cur is None:
+                    raise _ApiError(404, f'{resource} "{name}" not found', name=name, kind=resource)
+                return 200, self._wh_replace(key, _merge_patch(cur, patch))
+        if method == "DELETE":
+            obj = self.get_webhook_object(resource, name, namespace)
+            if obj is None:
+                raise _ApiError(404, f'{resource} "{name}" not found', name=name, kind=resource)
+            self.delete_webhook_object(resource, name, namespace)
+            return 200, obj
+        raise _ApiError(405, f"{method} is not supported on {resource}")
+
     # ------------------------------------------------------------------ store internals
 
     def _record(self, resource: str, etype: str, obj: JSON, prev: JSON | None) -> None:
@@ -855,6 +987,9 @@ class FakeApiServer:
             return 200, self._discovery(segs)
         if segs[:2] == ["apis", DRA_GROUP]:
             return self._route_dra(method, segs[2:], query, ctype, body)
+        webhook_objects = _webhook_object_route(segs)
+        if webhook_objects is not None:
+            return self._route_webhook_objects(method, *webhook_objects, body)
         if segs[:2] != ["api", "v1"] or len(segs) < 3:
             raise _ApiError(404, "the server could not find the requested resource")
         rest = segs[2:]
@@ -1560,3 +1695,26 @@ def make_pod(
         "spec": spec,
         "status": {"phase": phase},
     }
+
+
+# Secrets and webhook configurations: resource -> (kind, apiVersion).
+_ADMISSION_GROUP = "admissionregistration.k8s.io"
+_WEBHOOK_RESOURCES: dict[str, tuple[str, str]] = {
+    "secrets": ("Secret", "v1"),
+    "mutatingwebhookconfigurations": ("MutatingWebhookConfiguration", f"{_ADMISSION_GROUP}/v1"),
+    "validatingwebhookconfigurations": (
+        "ValidatingWebhookConfiguration",
+        f"{_ADMISSION_GROUP}/v1",
+    ),
+}
+
+
+def _webhook_object_route(segs: list[str]) -> tuple[str, str, str] | None:
+    """(resource, namespace, name) for a Secret or webhook-configuration path, else None."""
+    namespaced = segs[:2] == ["api", "v1"] and len(segs) in (5, 6)
+    if namespaced and segs[2] == "namespaces" and segs[4] == "secrets":
+        return "secrets", segs[3], segs[5] if len(segs) == 6 else ""
+    group = segs[:3] == ["apis", _ADMISSION_GROUP, "v1"] and len(segs) in (4, 5)
+    if group and segs[3] in _WEBHOOK_RESOURCES and segs[3] != "secrets":
+        return segs[3], "", segs[4] if len(segs) == 5 else ""
+    return None

@@ -16,12 +16,15 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
 from vgpu.adapters.kube import api_client
+from vgpu.adapters.kube_errors import api_error_text
 from vgpu.core.dra import resource_slice, slice_name
+from vgpu.core.readiness import ApiHealth
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +78,12 @@ def _list_watch(
     on_list: Callable[[list[dict[str, Any]]], None],
     on_event: Callable[[str, dict[str, Any]], None],
     stop: threading.Event,
+    health: ApiHealth | None = None,
     **selectors: str,
 ) -> None:
     """List, then watch from that resourceVersion; resume or re-list after
-    errors with backoff (0.5 s to BACKOFF_MAX_S). Runs until `stop`."""
+    errors with backoff (0.5 s to BACKOFF_MAX_S). Runs until `stop`. `health`
+    records each contact and failure (the daemon's /readyz)."""
     from vgpu.adapters.kube import _raw_watch
 
     backoff = 0.5
@@ -89,6 +94,8 @@ def _list_watch(
                 data = _read_json(list_fn(_preload_content=False, _request_timeout=10, **selectors))
                 on_list(list(data.get("items") or []))
                 version = str(data["metadata"]["resourceVersion"])
+                if health is not None:
+                    health.ok()
             watch = _raw_watch()
             for event in watch.stream(
                 list_fn,
@@ -101,6 +108,8 @@ def _list_watch(
                 if stop.is_set():
                     watch.stop()
                     break
+                if health is not None:
+                    health.ok()
                 raw = event.get("raw_object") or {}
                 kind = str(event.get("type"))
                 if kind == "ERROR":
@@ -111,14 +120,19 @@ def _list_watch(
                 version = (raw.get("metadata") or {}).get("resourceVersion", version)
                 if kind != "BOOKMARK":
                     on_event(kind, raw)
+            if health is not None:
+                health.ok()
             backoff = 0.5
         except Exception as exc:  # urllib3, socket and client errors alike
             if _status_of(exc) == 410:
                 version = None
                 continue
-            log.warning(
-                "%s: API server error (%s), retrying in %.1fs", name, type(exc).__name__, backoff
-            )
+            owner = getattr(list_fn, "__self__", None)
+            config = getattr(getattr(owner, "api_client", None), "configuration", None)
+            address = str(getattr(config, "host", "(unknown address)"))
+            if health is not None:
+                health.failed(time.monotonic(), api_error_text(exc, address))
+            log.warning("%s: %s; retrying in %.1fs", name, api_error_text(exc, address), backoff)
             version = None
             if stop.wait(backoff):
                 return
@@ -157,6 +171,7 @@ class ClaimCache:
         self._lock = threading.Lock()
         self.hits = 0
         self.fetches = 0
+        self.health = ApiHealth()  # the daemon's /readyz reads it
 
     def _client(self) -> Any:
         with self._api_lock:
@@ -191,6 +206,7 @@ class ClaimCache:
                 self._on_list,
                 self._on_event,
                 stop,
+                self.health,
             )
 
         threading.Thread(target=loop, name="claim-watch", daemon=True).start()
