@@ -155,7 +155,7 @@ def test_no_syntax_directive_that_fetches_a_frontend() -> None:
 def test_build_commands_name_buildkit() -> None:
     # RUN --mount needs BuildKit; Debian's Docker 20.10 builds without it by default.
     assert "--mount=" in DOCKERFILE.read_text()
-    for path in (DOCKERFILE, ROOT / "README.md", ROOT / "docs" / "install.md"):
+    for path in (DOCKERFILE, ROOT / "docs" / "install.md"):
         commands = re.findall(
             r"^\W*(.*docker (?:buildx )?build .*)$", path.read_text(), re.MULTILINE
         )

@@ -70,6 +70,25 @@ def test_every_relative_link_resolves(page: Path, target: str) -> None:
         assert anchor in _anchors(dest), f"{page.relative_to(ROOT)}: no heading #{anchor} in {dest}"
 
 
+def _commands_of(text: str) -> list[list[str]]:
+    """The simple commands of one shell line, split at ;, &&, || and |."""
+    lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    try:
+        tokens = list(lexer)
+    except ValueError:  # output or prose in a shell block, not a command line
+        assert not re.match(r"^\s*vgpu\s", text), f"unparsable vgpu command: {text}"
+        return []
+    commands: list[list[str]] = [[]]
+    for token in tokens:
+        if token and set(token) <= set(";&|()<>"):
+            commands.append([])
+        else:
+            commands[-1].append(token)
+    return [c for c in commands if c]
+
+
 def _vgpu_commands() -> list[tuple[str, str]]:
     """Every `vgpu ...` command line in a shell block of the docs."""
     commands = []
@@ -89,8 +108,7 @@ def _vgpu_commands() -> list[tuple[str, str]]:
                 continue
             pending = ""
             text = text.removeprefix("$ ")
-            for part in re.split(r"&&|\|\||;|\|", text):
-                words = shlex.split(part, comments=True)
+            for words in _commands_of(text):
                 if "--" in words:  # kubectl exec ... -- vgpu status
                     words = words[words.index("--") + 1 :]
                 while words and "=" in words[0] and not words[0].startswith("-"):

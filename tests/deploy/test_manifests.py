@@ -218,8 +218,10 @@ def test_metrics_port_matches_the_config(container: dict[str, Any]) -> None:
     annotations = _only("DaemonSet")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == str(port)
-    for probe in ("livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    # Alive while it serves; Ready only while the API server is reachable too
+    # (api_unready_after_s): /readyz says why it is not.
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
 
 
 # --------------------------------------------------------------- DaemonSet
