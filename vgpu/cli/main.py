@@ -46,6 +46,12 @@ SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("--cdi-dir", {"metavar": "DIR", "help": "dra: CDI spec directory (default /var/run/cdi)"}),
     ("--context-overhead-mib", {"metavar": "N", "help": "per-card context estimate (default 0)"}),
+    (
+        "--device-list-strategy",
+        {"choices": ["envvar", "cdi", "volume-mounts"], "help": "card hand-over (default envvar)"},
+    ),
+    ("--host-dev-dir", {"metavar": "DIR", "help": "the host's /dev as seen here (default /dev)"}),
+    ("--unallocated-policy", {"choices": ["warn", "evict"], "help": "unallocated containers"}),
 ]
 
 

@@ -26,6 +26,9 @@ from typing import Any, Protocol
 
 from vgpu import __version__
 from vgpu.adapters import budget
+from vgpu.adapters.delivery import build_delivery
+from vgpu.adapters.devnodes import HostDevices
+from vgpu.adapters.dra.cdi import CdiDir
 from vgpu.adapters.fs import ContainerStore, PluginDirWatcher, install_hook
 from vgpu.adapters.gpus import BackendError, CardReading, GpuBackend, MockBackend
 from vgpu.adapters.kube import (
@@ -61,6 +64,7 @@ USAGE_INTERVAL_S = 5.0
 BUDGET_CHECK_INTERVAL_S = 1.0  # how soon a grown budget file is cut back
 STATE_RETRY_S = 1.0
 STOP_TIMEOUT_S = 4.0
+DEVICE_NODE_CHECK_S = 5.0  # how soon a card whose device node vanished turns unhealthy
 
 
 def socket_name(resource: Resource) -> str:
@@ -200,6 +204,10 @@ class Daemon:
             events=self._event,
             node_publisher=self.node_publisher,
         )
+        self.service.devices = HostDevices(settings.host_dev_dir)
+        self.service.delivery = build_delivery(
+            settings.device_list_strategy, CdiDir(settings.cdi_dir, settings.resource_domain)
+        )
         self.options = pb.DevicePluginOptions(
             pre_start_required=False, get_preferred_allocation_available=True
         )
@@ -294,6 +302,14 @@ class Daemon:
         self._spawn("usage", self._usage_loop)
         self._spawn("budget-watch", self._budget_loop)
         self._spawn("state-retry", self._state_retry_loop)
+        self._spawn("device-nodes", self._device_node_loop)
+
+    def _device_node_loop(self) -> None:
+        while not self.stop.wait(DEVICE_NODE_CHECK_S):
+            try:
+                self.service.check_device_nodes()
+            except Exception:
+                log.exception("checking the host's device nodes failed; will retry")
 
     def _install_hook(self) -> None:
         """Install the hook library; a disk that refuses does not stop start-up."""
