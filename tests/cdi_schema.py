@@ -90,7 +90,12 @@ def validate_edits(where: str, edits: Any, version: str) -> None:
             raise CdiSpecError(f"{w}.type: {node['type']!r} is not b, c, u or p")
     for i, mount in enumerate(edits.get("mounts", [])):
         w = f"{where}.mounts[{i}]"
-        _only(w, mount, {"hostPath", "containerPath", "options", "type"}, {"hostPath", "containerPath"})
+        _only(
+            w,
+            mount,
+            {"hostPath", "containerPath", "options", "type"},
+            {"hostPath", "containerPath"},
+        )
         _abs(f"{w}.hostPath", mount["hostPath"])
         _abs(f"{w}.containerPath", mount["containerPath"])
         _strings(f"{w}.options", mount.get("options", []))

@@ -100,11 +100,17 @@ def test_a_card_under_two_memory_units_is_not_published() -> None:
     assert [d["name"] for d in slice_devices([small, big], 256)] == ["gpu-1"]
 
 
-def test_slice_lists_healthy_cards_with_their_attributes() -> None:
+def test_slice_lists_cards_with_their_attributes_and_taints_the_sick() -> None:
     a, b, c = cards(3, numa=[0, 1, 1])
     c = replace(c, numa_node=None)
-    devices = slice_devices([replace(b, healthy=False), c, a], 256)
-    assert [d["name"] for d in devices] == ["gpu-0", "gpu-2"]
+    devices = slice_devices([replace(b, healthy=False, xid=79), c, a], 256, taint_key="d.io/x")
+    assert [d["name"] for d in devices] == ["gpu-0", "gpu-1", "gpu-2"]
+    assert devices[1]["taints"] == [{"key": "d.io/x", "value": "xid-79", "effect": "NoSchedule"}]
+    assert "taints" not in devices[0] and "taints" not in devices[2]
+    missing = replace(b, healthy=False, problem="its device node /dev/nvidia1 does not exist")
+    (only,) = slice_devices([missing], 256)
+    assert only["taints"][0]["value"] == "device-node-missing"
+    devices = [devices[0], devices[2]]
     first = devices[0]
     assert first["allowMultipleAllocations"] is True
     assert first["attributes"] == {

@@ -68,13 +68,13 @@ def test_only_nodes_present_on_the_host_are_named(
     node = node_with(make_node, two_cards_with_nodes(mock_gpus_file), dev, "envvar")
     # Card 1 has no device node on the host: unhealthy in ListAndWatch, with the reason logged.
     assert wait_until(
-        lambda: {h for d, h in node.kubelet.devices(CORE).items() if "000000000001" in d}
-        == {"Unhealthy"},
+        lambda: (
+            {h for d, h in node.kubelet.devices(CORE).items() if "000000000001" in d}
+            == {"Unhealthy"}
+        ),
         10,
     )
-    assert {h for d, h in node.kubelet.devices(CORE).items() if "000000000000" in d} == {
-        "Healthy"
-    }
+    assert {h for d, h in node.kubelet.devices(CORE).items() if "000000000000" in d} == {"Healthy"}
     assert "/dev/nvidia1 does not exist on the host" in node.log()
     result = node.submit(node.pod("p", {CORE: 20, MEM: 8}))
     assert result.ok, result.error
@@ -159,15 +159,11 @@ def test_each_strategy_gives_the_container_the_same_contract(
 
 
 @pytest.mark.timeout(180)
-def test_cdi_specs_of_gone_containers_are_swept(
-    make_node: NodeFactory, short_tmp: Path
-) -> None:
+def test_cdi_specs_of_gone_containers_are_swept(make_node: NodeFactory, short_tmp: Path) -> None:
     """A thousand admissions (each pod deleted after it) leave no spec behind."""
     dev = fake_dev(short_tmp / "dev")
     cdi_dir = short_tmp / "cdi"
-    node = node_with(
-        make_node, "preset:2xH200", dev, "cdi", "--reconcile-interval-s", "1"
-    )
+    node = node_with(make_node, "preset:2xH200", dev, "cdi", "--reconcile-interval-s", "1")
     live = []
     for i in range(1000):
         pod = node.pod(f"p{i}", {CORE: 10, MEM: 4})

@@ -27,7 +27,6 @@ from vgpu.sim.harness import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 DRIVER = "vgpu.vendor.io"
-CONTROL = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
 
 
 class Factory(Protocol):
@@ -156,8 +155,8 @@ def test_prepared_claims_carry_the_limits_the_scheduler_allocated(make_dra: Fact
     # the daemon made the budget file before the container starts, at its size
     assert Path(budget_mount["hostPath"]).stat().st_size == budget.FILE_BYTES
     assert fractional.mounts[fractional.env["LD_PRELOAD"]]["options"][0] == "ro"
-    minor = allocations["slice"]["device"].removeprefix("gpu-")
-    assert list(fractional.device_nodes) == [f"/dev/nvidia{minor}", *CONTROL]
+    # A preset card lists no device nodes: the spec names none (see test_dra_nodes).
+    assert list(fractional.device_nodes) == []
     config = _config(dra, fractional)
     assert (config["core_percent"], config["memory_limit_mib"]) == (30, 10240)
     assert config["cards"] == [fractional.env["NVIDIA_VISIBLE_DEVICES"]]
@@ -328,7 +327,13 @@ def _time_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> float:
     return time.monotonic() - started
 
 
-def test_a_sick_card_leaves_the_slice_within_two_seconds(
+def _tainted(dra: DraSimNode) -> list[str]:
+    found = dra.slice()
+    devices = (found or {}).get("spec", {}).get("devices") or []
+    return [d["name"] for d in devices if d.get("taints")]
+
+
+def test_a_sick_card_is_tainted_in_the_slice_within_two_seconds(
     make_dra: Factory, mock_gpus_file: MockGpusFile
 ) -> None:
     gpus = cards(2)
@@ -338,7 +343,17 @@ def test_a_sick_card_leaves_the_slice_within_two_seconds(
     dra.claim("early", {"cores": "10", "memory": "1Gi"})
     dra.allocator.allocate("default", "early", node=dra.node)  # on gpu-0, before it falls ill
     mock_gpus_file([{**gpus[0], "xid": 79}, gpus[1]])
-    assert _time_until(lambda: dra.published() == ["gpu-1"]) < 2.0
+    # Still published (the claim on it stays visible), tainted NoSchedule with the XID.
+    assert _time_until(lambda: _tainted(dra) == ["gpu-0"]) < 2.0
+    assert dra.published() == ["gpu-0", "gpu-1"]
+    sick = dra.slice()["spec"]["devices"][0]  # type: ignore[index]
+    assert sick["taints"] == [
+        {"key": f"{DRIVER}/unhealthy", "value": "xid-79", "effect": "NoSchedule"}
+    ]
+    # The scheduler (stand-in) allocates nothing new on it.
+    dra.claim("late", {"cores": "10", "memory": "1Gi"})
+    late = dra.allocator.allocate("default", "late", node=dra.node)
+    assert late["allocation"]["devices"]["results"][0]["device"] == "gpu-1"
     after = dra.slice()["spec"]["pool"]["generation"]  # type: ignore[index]
     assert after > generation
     early = dra.api.get_object("resourceclaims", "early", "default")
@@ -346,7 +361,7 @@ def test_a_sick_card_leaves_the_slice_within_two_seconds(
     reply = dra.kubelet.prepare(DRIVER, [("default", early["metadata"]["uid"], "early")])
     assert "unhealthy (XID 79)" in reply.claims[early["metadata"]["uid"]].error
     mock_gpus_file(gpus)  # healthy again
-    assert _time_until(lambda: dra.published() == ["gpu-0", "gpu-1"]) < 2.0
+    assert _time_until(lambda: _tainted(dra) == []) < 2.0
     mock_gpus_file([gpus[0]])  # gpu-1 gone
     assert _time_until(lambda: dra.published() == ["gpu-0"]) < 2.0
     assert dra.slice()["spec"]["pool"]["generation"] > after  # type: ignore[index]
@@ -472,3 +487,48 @@ def test_status_lists_dra_claims(dra: DraSimNode) -> None:
     ).stdout
     assert "default/notebook claim nb" in table and "core 30%" in table
     assert "default/trainer claim tr" in table and "whole card" in table
+
+
+# ------------------------------------------------------------------ device nodes, taints
+
+
+def test_dra_names_host_nodes_only_and_taints_a_card_without_its_node(
+    make_dra: Factory, mock_gpus_file: MockGpusFile, short_tmp: Path
+) -> None:
+    from tests.cdi_schema import validate_spec
+    from tests.conftest import card
+
+    dev = short_tmp / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidiactl"):
+        os.symlink("/dev/null", dev / name)
+    gpus = mock_gpus_file(
+        [
+            card(0, device_nodes=["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm"]),
+            card(1, device_nodes=["/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm"]),
+        ]
+    )
+    dra = make_dra(gpus, extra=["--host-dev-dir", str(dev)])
+    found = dra.slice()
+    assert found is not None
+    devices = {d["name"]: d for d in found["spec"]["devices"]}
+    # The sick card stays published, tainted, so claims on it stay visible.
+    assert devices["gpu-1"]["taints"] == [
+        {"key": f"{DRIVER}/unhealthy", "value": "device-node-missing", "effect": "NoSchedule"}
+    ]
+    assert "taints" not in devices["gpu-0"]
+    dra.claim("slice", {"cores": "30", "memory": "1Gi"})
+    run = dra.run_pod("p1", ["slice"])
+    assert run.ok, run.reply
+    edits = run.edits["slice"]
+    assert list(edits.device_nodes) == ["/dev/nvidia0", "/dev/nvidiactl"]  # on gpu-0 only
+    for spec_file in dra.cdi_dir.glob("*.json"):
+        validate_spec(json.loads(spec_file.read_text()))
+    # The node appears: the taint goes.
+    os.symlink("/dev/null", dev / "nvidia1")
+
+    def untainted() -> bool:
+        body = dra.slice()
+        return body is not None and all("taints" not in d for d in body["spec"]["devices"])
+
+    assert wait_until(untainted, 15)

@@ -173,4 +173,6 @@ def as_volume_mounts(edits: ContainerEdits, cards: Sequence[str]) -> ContainerEd
 def as_cdi_reference(edits: ContainerEdits, qualified_name: str) -> ContainerEdits:
     """The `cdi` delivery's Allocate answer: the one fully qualified CDI device
     name; the spec it names carries envs, mounts and device nodes."""
-    return ContainerEdits(envs={}, annotations=dict(edits.annotations), cdi_devices=(qualified_name,))
+    return ContainerEdits(
+        envs={}, annotations=dict(edits.annotations), cdi_devices=(qualified_name,)
+    )

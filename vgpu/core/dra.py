@@ -245,12 +245,28 @@ def card_capacities(card: Card, memory_unit_mib: int) -> dict[str, Capacity]:
 # ------------------------------------------------------------ ResourceSlice
 
 
-def slice_devices(cards: Sequence[Card], memory_unit_mib: int) -> list[dict[str, Any]]:
-    """The ResourceSlice devices: one per healthy card with room for two memory units."""
+def health_taint_value(card: Card) -> str:
+    """Why a card is tainted, as a label value: xid-<n>, device-node-missing or unhealthy."""
+    if card.xid is not None:
+        return f"xid-{card.xid}"
+    if card.problem and "device node" in card.problem:
+        return "device-node-missing"
+    return "unhealthy"
+
+
+def slice_devices(
+    cards: Sequence[Card], memory_unit_mib: int, taint_key: str = "vgpu/unhealthy"
+) -> list[dict[str, Any]]:
+    """The ResourceSlice devices: one per card with room for two memory units.
+
+    A sick card stays published with a NoSchedule device taint (`taint_key`,
+    the reason as its value; DRADeviceTaints): nothing new is allocated on it,
+    and the claims already on it stay visible against a device that exists.
+    """
     devices = []
     for card in sorted(cards, key=lambda c: c.index):
         capacities = card_capacities(card, memory_unit_mib)
-        if not card.healthy or not capacities:
+        if not capacities:
             continue
         attributes: dict[str, Any] = {
             "uuid": {"string": card.uuid},
@@ -259,14 +275,17 @@ def slice_devices(cards: Sequence[Card], memory_unit_mib: int) -> list[dict[str,
         }
         if card.numa_node is not None:
             attributes["numaNode"] = {"int": card.numa_node}
-        devices.append(
-            {
-                "name": device_name(card),
-                "allowMultipleAllocations": True,
-                "attributes": attributes,
-                "capacity": {name: cap.to_json() for name, cap in capacities.items()},
-            }
-        )
+        device: dict[str, Any] = {
+            "name": device_name(card),
+            "allowMultipleAllocations": True,
+            "attributes": attributes,
+            "capacity": {name: cap.to_json() for name, cap in capacities.items()},
+        }
+        if not card.healthy:
+            device["taints"] = [
+                {"key": taint_key, "value": health_taint_value(card), "effect": "NoSchedule"}
+            ]
+        devices.append(device)
     return devices[:MAX_DEVICES_PER_SLICE]
 
 

@@ -26,6 +26,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from vgpu import __version__
+from vgpu.adapters.devnodes import HostDevices
 from vgpu.adapters.dra.cdi import CdiDir
 from vgpu.adapters.dra.kube import ClaimCache, ClaimSource, SlicePort, SlicePublisher
 from vgpu.adapters.dra.plugin import (
@@ -45,6 +46,7 @@ from vgpu.daemon.draservice import DraOptions, DraService
 from vgpu.daemon.wiring import (
     budget_watch,
     build_backend,
+    device_node_watch,
     hook_installer,
     run,
     usage_loop,
@@ -133,6 +135,7 @@ class DraDaemon:
             node_file=s.state_dir / "node.json",
             events=self._event,
         )
+        self.service.devices = HostDevices(s.host_dev_dir)
         self.dra_socket = s.dra_plugin_dir() / "dra.sock"
         self.registration_socket = s.kubelet_registry_dir / f"{self.driver}-reg.sock"
         self.registration = RegistrationServicer(self.driver, self.dra_socket)
@@ -212,6 +215,7 @@ class DraDaemon:
         self._spawn("backend-watch", self._watch_backend)
         self._spawn("socket-watch", self._watch_sockets)
         self._spawn("usage", self._usage_loop)
+        self._spawn("device-nodes", device_node_watch, self.service.check_device_nodes, self.stop)
         self._spawn("budget-watch", budget_watch, self.service.store, self.stop, self._event)
 
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vgpu.adapters.devnodes import HostDevices
 from vgpu.adapters.dra.cdi import CdiDir, spec_document
 from vgpu.adapters.dra.kube import ClaimLookupError, ClaimSource, SlicePort
 from vgpu.adapters.dra.plugin import Prepared
@@ -25,7 +26,13 @@ from vgpu.adapters.dra.state import ClaimRecord, ClaimStore, sweep_temp_files
 from vgpu.adapters.fs import ContainerStore
 from vgpu.adapters.gpus import CardReading
 from vgpu.adapters.nodefile import node_document, write_node_file
-from vgpu.core.contract import ContainerEdits, container_edits
+from vgpu.core.contract import (
+    ContainerEdits,
+    card_node,
+    container_edits,
+    judge_nodes,
+    wanted_nodes,
+)
 from vgpu.core.dra import (
     AllocatedDevice,
     ClaimRef,
@@ -94,13 +101,15 @@ class DraService:
         self.hook_installer: Callable[[], Path] | None = None
         self._hook_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prepare")
+        # The host's device nodes (None: none checked, none named); set by the daemon.
+        self.devices: HostDevices | None = None
 
     # ------------------------------------------------------------ cards
 
     def set_cards(self, cards: Sequence[Card]) -> None:
         with self._lock:
             before = self.cards
-            self.cards = {c.uuid: self.tracker.judge(c) for c in cards}
+            self.cards = {c.uuid: self._judge_nodes(self.tracker.judge(c)) for c in cards}
             for card in self.cards.values():
                 self._log_health(before.get(card.uuid), card)
             for uuid in set(before) - set(self.cards):
@@ -120,7 +129,27 @@ class DraService:
             self._log_health(card, updated)
             self._publish()
 
+    def _judge_nodes(self, card: Card) -> Card:
+        if self.devices is None:
+            return card
+        own = card_node(card)
+        return judge_nodes(card, self.devices.present([own] if own else []))
+
+    def check_device_nodes(self) -> None:
+        """Re-check every card's own device node (periodic); publish on change."""
+        with self._lock:
+            before = self.cards
+            after = {u: self._judge_nodes(c) for u, c in before.items()}
+            if all(after[u] is before[u] for u in before):
+                return
+            self.cards = after
+            for card in after.values():
+                self._log_health(before[card.uuid], card)
+            self._publish()
+
     def _log_health(self, before: Card | None, after: Card) -> None:
+        if before is None and after.problem:
+            log.error("card %s (%s) unhealthy: %s", after.uuid, device_name(after), after.problem)
         if before is None or before.healthy == after.healthy:
             return
         if after.healthy:
@@ -129,9 +158,14 @@ class DraService:
             )
             self.events("card_healthy", {"card": after.uuid})
         else:
-            why = f"XID {after.xid} ({describe_xid(after.xid)})" if after.xid else "unhealthy"
+            why = (
+                f"XID {after.xid} ({describe_xid(after.xid)})"
+                if after.xid
+                else after.problem or "unhealthy"
+            )
             log.error(
-                "card %s (%s) unhealthy: %s; it leaves the ResourceSlice; claims on it: %s",
+                "card %s (%s) unhealthy: %s; tainted NoSchedule in the ResourceSlice; claims "
+                "on it: %s",
                 after.uuid,
                 device_name(after),
                 why,
@@ -147,7 +181,11 @@ class DraService:
         ]
 
     def _publish(self) -> None:
-        devices = slice_devices(list(self.cards.values()), self.options.memory_unit_mib)
+        devices = slice_devices(
+            list(self.cards.values()),
+            self.options.memory_unit_mib,
+            taint_key=f"{self.options.driver}/unhealthy",
+        )
         self.slices.publish(devices)
         self._write_node_file()
 
@@ -285,13 +323,16 @@ class DraService:
         for result, name in zip(mine, cdi_device_names(ref.uid, mine), strict=True):
             placement = placements[result.request]
             paths = self.store.paths(placement.key)
+            card = cards[result.device]
+            nodes = wanted_nodes([card])
             edits[name] = container_edits(
                 placement,
-                [cards[result.device]],
+                [card],
                 config_dir=str(paths.config_dir),
                 shared_dir=str(paths.shared_dir),
                 hook_path=str(hook) if hook is not None else None,
                 context_overhead_mib=self.options.context_overhead_mib,
+                present_nodes=self.devices.present(nodes) if self.devices is not None else (),
             )
             devices.append(
                 PreparedDevice(

@@ -157,6 +157,15 @@ def usage_loop(
             return
 
 
+def device_node_watch(check: Callable[[], None], stop: threading.Event) -> None:
+    """Re-check the cards' device nodes on the host every DEVICE_NODE_CHECK_S (both modes)."""
+    while not stop.wait(DEVICE_NODE_CHECK_S):
+        try:
+            check()
+        except Exception:
+            log.exception("checking the host's device nodes failed; will retry")
+
+
 class Lifecycle(Protocol):
     """What `run` drives: the device plugin's Daemon or the DRA driver's."""
 
@@ -305,11 +314,7 @@ class Daemon:
         self._spawn("device-nodes", self._device_node_loop)
 
     def _device_node_loop(self) -> None:
-        while not self.stop.wait(DEVICE_NODE_CHECK_S):
-            try:
-                self.service.check_device_nodes()
-            except Exception:
-                log.exception("checking the host's device nodes failed; will retry")
+        device_node_watch(self.service.check_device_nodes, self.stop)
 
     def _install_hook(self) -> None:
         """Install the hook library; a disk that refuses does not stop start-up."""

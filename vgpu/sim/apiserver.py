@@ -1476,6 +1476,7 @@ def _check_slice(obj: JSON) -> None:
             set_types = [t for t in _ATTRIBUTE_TYPES if isinstance(value, dict) and t in value]
             if len(set_types) != 1:
                 problems.append(f"{where}.attributes[{key}]: exactly one value must be set")
+        problems += _taint_problems(where, device.get("taints"))
         for key, raw in capacity.items():
             try:
                 errors = CapacityRule.from_json(raw).errors()
@@ -1484,6 +1485,35 @@ def _check_slice(obj: JSON) -> None:
             problems += [f"{where}.capacity[{key}].requestPolicy: {e}" for e in errors]
     if problems:
         raise _ApiError(422, f"ResourceSlice is invalid: {'; '.join(problems)}")
+
+
+_TAINT_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+_TAINT_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def _taint_problems(where: str, taints: Any) -> list[str]:
+    """resource.k8s.io/v1 DeviceTaint: key (qualified name), value (label value),
+    effect NoSchedule, NoExecute or None; at most 16 per device."""
+    if taints is None:
+        return []
+    if not isinstance(taints, list) or len(taints) > 16:
+        return [f"{where}.taints: must be a list of at most 16 items"]
+    problems = []
+    for j, taint in enumerate(taints):
+        at = f"{where}.taints[{j}]"
+        if not isinstance(taint, dict) or set(taint) - {"key", "value", "effect", "timeAdded"}:
+            problems.append(f"{at}: only key, value, effect and timeAdded are allowed")
+            continue
+        if not _TAINT_KEY.match(str(taint.get("key", ""))):
+            problems.append(f"{at}.key: Invalid value: must be a qualified name")
+        if not _TAINT_VALUE.match(str(taint.get("value", ""))):
+            problems.append(f"{at}.value: Invalid value: must be a valid label value")
+        if taint.get("effect") not in ("NoSchedule", "NoExecute", "None"):
+            problems.append(f"{at}.effect: Unsupported value: {taint.get('effect')!r}")
+    return problems
 
 
 # --------------------------------------------------------------------------- helpers
