@@ -532,3 +532,32 @@ def test_dra_names_host_nodes_only_and_taints_a_card_without_its_node(
         return body is not None and all("taints" not in d for d in body["spec"]["devices"])
 
     assert wait_until(untainted, 15)
+
+
+def test_health_reaches_the_kubelet_through_the_dra_health_stream(
+    make_dra: Factory, mock_gpus_file: MockGpusFile
+) -> None:
+    gpus = cards(2)
+    path = mock_gpus_file(gpus)
+    dra = make_dra(path)
+    kubelet = dra.kubelet
+
+    def health() -> dict[tuple[str, str], tuple[str, str]]:
+        with kubelet._lock:
+            return dict(kubelet.health.get(DRIVER, {}))
+
+    # The full list first.
+    assert wait_until(lambda: len(health()) == 2, 10), kubelet.health_errors
+    assert health() == {
+        (dra.node, "gpu-0"): ("HEALTHY", ""),
+        (dra.node, "gpu-1"): ("HEALTHY", ""),
+    }
+    sent = kubelet.health_messages[DRIVER]
+    # Then again on a change: an XID on gpu-1.
+    mock_gpus_file([gpus[0], {**gpus[1], "xid": 79}])
+    assert wait_until(lambda: health()[(dra.node, "gpu-1")] == ("UNHEALTHY", "XID 79"), 5)
+    assert health()[(dra.node, "gpu-0")] == ("HEALTHY", "")
+    assert kubelet.health_messages[DRIVER] > sent
+    mock_gpus_file(gpus)
+    assert wait_until(lambda: health()[(dra.node, "gpu-1")] == ("HEALTHY", ""), 5)
+    assert kubelet.health_errors == []  # never Unimplemented

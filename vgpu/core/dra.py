@@ -289,6 +289,35 @@ def slice_devices(
     return devices[:MAX_DEVICES_PER_SLICE]
 
 
+@dataclass(frozen=True)
+class DeviceHealthReport:
+    """One device's health as the kubelet's DRA health stream carries it."""
+
+    pool: str
+    device: str
+    healthy: bool
+    updated_s: int  # unix seconds of the last change
+    message: str = ""
+
+
+def health_reports(
+    cards: Sequence[Card], pool: str, since_s: Mapping[str, int]
+) -> list[DeviceHealthReport]:
+    """Every card's health (the full list the stream sends), by device name;
+    `since_s` maps card UUIDs to the time their health last changed."""
+    out = []
+    for card in sorted(cards, key=lambda c: c.index):
+        why = ""
+        if not card.healthy:
+            why = f"XID {card.xid}" if card.xid is not None else card.problem or "unhealthy"
+        out.append(
+            DeviceHealthReport(
+                pool, device_name(card), card.healthy, since_s.get(card.uuid, 0), why
+            )
+        )
+    return out
+
+
 def slice_name(node: str, driver: str) -> str:
     """The one slice's name: <node>-<driver>, a DNS subdomain of at most 253 characters."""
     return f"{node}-{driver}"[:253].rstrip("-.")

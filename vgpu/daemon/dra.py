@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from vgpu import __version__
 from vgpu.adapters.devnodes import HostDevices
 from vgpu.adapters.dra.cdi import CdiDir
+from vgpu.adapters.dra.health import HealthServicer
 from vgpu.adapters.dra.kube import ClaimCache, ClaimSource, SlicePort, SlicePublisher
 from vgpu.adapters.dra.plugin import (
     DraServicer,
@@ -140,6 +141,8 @@ class DraDaemon:
         self.registration_socket = s.kubelet_registry_dir / f"{self.driver}-reg.sock"
         self.registration = RegistrationServicer(self.driver, self.dra_socket)
         self.servicer = DraServicer(self.service, self._on_call)
+        self.stopping = threading.Event()
+        self.health = HealthServicer(self.service, self.stopping)
         self.servers: list[UnixServer] = []
         self._threads: list[threading.Thread] = []
 
@@ -228,7 +231,7 @@ class DraDaemon:
         for server in self.servers:
             server.stop(0)
         self.servers = [
-            dra_server(self.servicer, self.dra_socket),
+            dra_server(self.servicer, self.dra_socket, self.health),
             registration_server(self.registration, self.registration_socket),
         ]
         for server in self.servers:
@@ -258,6 +261,8 @@ class DraDaemon:
 
     def shutdown(self) -> None:
         self.stop.set()
+        self.stopping.set()
+        self.service.close()
         for server in self.servers:
             server.stop(0.2)
         if self.metrics is not None:

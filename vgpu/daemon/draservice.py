@@ -37,6 +37,7 @@ from vgpu.core.dra import (
     AllocatedDevice,
     ClaimRef,
     ClaimView,
+    DeviceHealthReport,
     Grant,
     PreparedDevice,
     allocation_signature,
@@ -46,6 +47,7 @@ from vgpu.core.dra import (
     device_name,
     driver_name,
     grants,
+    health_reports,
     slice_devices,
 )
 from vgpu.core.errors import InvalidRequest, VgpuError
@@ -103,6 +105,11 @@ class DraService:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prepare")
         # The host's device nodes (None: none checked, none named); set by the daemon.
         self.devices: HostDevices | None = None
+        # The kubelet's health stream: a version bumped on every publish.
+        self._health = threading.Condition()
+        self._health_version = 0
+        self._health_since: dict[str, tuple[bool, int]] = {}
+        self._closed = False
 
     # ------------------------------------------------------------ cards
 
@@ -188,6 +195,39 @@ class DraService:
         )
         self.slices.publish(devices)
         self._write_node_file()
+        now = int(self.clock())
+        with self._health:
+            self._health_since = {
+                uuid: (card.healthy, now)
+                if self._health_since.get(uuid, (None, 0))[0] != card.healthy
+                else self._health_since[uuid]
+                for uuid, card in self.cards.items()
+            }
+            self._health_version += 1
+            self._health.notify_all()
+
+    def health(self) -> tuple[int, list[DeviceHealthReport]]:
+        """(version, every card's health) for the kubelet's DRA health stream."""
+        with self._lock:
+            cards = list(self.cards.values())
+        with self._health:
+            since = {uuid: at for uuid, (_, at) in self._health_since.items()}
+            version = self._health_version
+        return version, health_reports(cards, self.options.node, since)
+
+    def wait_health(self, version: int, timeout_s: float) -> int:
+        """Block until the health changes from `version` (or the timeout, or close)."""
+        with self._health:
+            self._health.wait_for(
+                lambda: self._health_version != version or self._closed, timeout_s
+            )
+            return self._health_version
+
+    def close(self) -> None:
+        """Shutdown: every health stream ends at once."""
+        with self._health:
+            self._closed = True
+            self._health.notify_all()
 
     def set_readings(self, readings: dict[CardUuid, CardReading]) -> None:
         with self._lock:
