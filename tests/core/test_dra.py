@@ -79,7 +79,7 @@ def test_h200_at_256_mib_publishes_143616mi() -> None:
     }
     assert caps["cores"].to_json() == {
         "value": "100",
-        "requestPolicy": {"default": "100", "validRange": {"min": "1", "max": "100", "step": "1"}},
+        "requestPolicy": {"default": "0", "validRange": {"min": "0", "max": "100", "step": "1"}},
     }
 
 
@@ -259,7 +259,9 @@ def grant_of(*results: AllocatedDevice) -> list[tuple[str, tuple[int, ...], int,
         ([result(consumed={"cores": "100", "memory": "10Gi"})], [("gpu", (0,), 100, 0)]),
         ([result(consumed={"cores": "20", "memory": "143616Mi"})], [("gpu", (0,), 20, 143616)]),
         ([result(consumed={"cores": "20"})], [("gpu", (0,), 20, 143616)]),
-        ([result(consumed={"memory": "4Gi"})], [("gpu", (0,), 100, 0)]),
+        ([result(consumed={"memory": "4Gi"})], [("gpu", (0,), 0, 4096)]),
+        ([result(consumed={"cores": "0", "memory": "4Gi"})], [("gpu", (0,), 0, 4096)]),
+        ([result(consumed={"cores": "0", "memory": "143616Mi"})], [("gpu", (0,), 100, 0)]),
         ([result(consumed=None, share=None)], [("gpu", (0,), 100, 0)]),
         ([result(consumed={"cores": "30", "memory": "10737418240"})], [("gpu", (0,), 30, 10240)]),
         (
@@ -297,7 +299,9 @@ def grant_of(*results: AllocatedDevice) -> list[tuple[str, tuple[int, ...], int,
         "all-cores-is-whole-whatever-the-memory",
         "cores-and-all-memory",
         "cores-only-takes-the-memory-default",
-        "memory-only-takes-the-cores-default",
+        "memory-only-is-best-effort-compute-as-in-device-plugin-mode",
+        "zero-cores-is-best-effort",
+        "asked-nothing-is-the-whole-card",
         "exclusive-allocation-without-consumed-capacity",
         "memory-in-bytes",
         "one-request-two-cards",
@@ -318,7 +322,7 @@ def test_grants(results: list[AllocatedDevice], expected: list[Any]) -> None:
         ([result(pool="node-b", consumed={"cores": "1"})], InvalidRequest, "another node"),
         ([result("gpu-7", {"cores": "1"})], UnknownDevice, "does not have"),
         ([result("cpu-0", {"cores": "1"})], UnknownDevice, "never published"),
-        ([result(consumed={"cores": "0"})], InvalidRequest, "cannot give"),
+        ([result(consumed={"cores": "-1"})], InvalidRequest, "cannot give"),
         ([result(consumed={"cores": "101"})], InvalidRequest, "cannot give"),
         ([result(consumed={"cores": "2.5"})], InvalidRequest, "cannot give"),
         ([result(consumed={"cores": "5", "memory": "300Mi"})], InvalidRequest, "cannot give"),

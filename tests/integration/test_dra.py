@@ -561,3 +561,21 @@ def test_health_reaches_the_kubelet_through_the_dra_health_stream(
     mock_gpus_file(gpus)
     assert wait_until(lambda: health()[(dra.node, "gpu-1")] == ("HEALTHY", ""), 5)
     assert kubelet.health_errors == []  # never Unimplemented
+
+
+def test_a_memory_only_claim_gets_best_effort_compute_and_blocks_no_cores(
+    make_dra: Factory,
+) -> None:
+    """One meaning per request in both modes: as a memory-only container in
+    device-plugin mode, a memory-only claim has no core limit and consumes no
+    cores, so a claim for all 100 cores still fits on the same card."""
+    dra = make_dra("preset:1xH200")
+    dra.claim("mem", {"memory": "10Gi"})
+    dra.claim("cores", {"cores": "100", "memory": "10Gi"})
+    run = dra.run_pod("p1", ["mem", "cores"])
+    assert run.ok, run.reply
+    mem = run.edits["mem"]
+    assert "VGPU_CORE_LIMIT" not in mem.env
+    assert mem.env["VGPU_MEMORY_LIMIT_MIB"] == "10240"
+    assert _config(dra, mem)["core_units"] == 0
+    assert _config(dra, run.edits["cores"])["whole_cards"] is True

@@ -23,7 +23,10 @@ What a claim gets:
   the memory consumed. A claim that asks cores only consumes the memory
   default, i.e. the whole card's memory: it gets that as its limit and, as every
   claim consumes at least one memory unit, keeps the card to itself. A claim
-  that asks memory only consumes the cores default (100): the whole card.
+  that asks memory only consumes the cores default, 0: best-effort compute with
+  its memory limit, blocking no one's cores, as a memory-only request does in
+  device-plugin mode. A claim that asks nothing consumes 0 cores and the whole
+  memory: the card whole, as before.
 
 Pure: quantities come in as the API's strings, cards as core Cards.
 """
@@ -237,7 +240,9 @@ def card_capacities(card: Card, memory_unit_mib: int) -> dict[str, Capacity]:
     if memory_mib < 2 * memory_unit_mib:
         return {}
     return {
-        CORES: Capacity(CORES, CORE_UNITS_PER_CARD, 1, 1, CORE_UNITS_PER_CARD),
+        # Not asked: 0 cores, best-effort compute, as a memory-only request in
+        # device-plugin mode (one meaning per request in both modes).
+        CORES: Capacity(CORES, CORE_UNITS_PER_CARD, 0, 1, 0),
         MEMORY: Capacity(MEMORY, memory_mib, memory_unit_mib, memory_unit_mib, memory_mib, "Mi"),
     }
 
@@ -396,6 +401,10 @@ def _consumption(
     return out[0], out[1]
 
 
+def _whole_memory(card: Card, memory_unit_mib: int) -> int:
+    return card.memory_units(memory_unit_mib) * memory_unit_mib
+
+
 def grants(
     results: Sequence[AllocatedDevice],
     *,
@@ -444,6 +453,8 @@ def grants(
             prior = per_card.get(item.device)
             if prior is not None:  # the same card twice (two shares of it)
                 cores, memory = prior[1] + cores, prior[2] + memory
+            if used is not None and cores == 0 and memory == _whole_memory(card, memory_unit_mib):
+                cores = CORE_UNITS_PER_CARD  # asked nothing: the card whole
             per_card[item.device] = (card, min(cores, CORE_UNITS_PER_CARD), memory)
         if any(cores >= CORE_UNITS_PER_CARD for _, cores, _ in per_card.values()):
             if any(cores < CORE_UNITS_PER_CARD for _, cores, _ in per_card.values()):
