@@ -454,3 +454,29 @@ def test_cdi_names_are_unique_per_result_and_keys_per_request() -> None:
     assert cdi_device_names("u", results) == ["u-gpu-gpu-0", "u-gpu-gpu-0-1", "u-main_sub-gpu-1"]
     assert claim_key("u", "gpu") == claim_key("u", "gpu") != claim_key("u", "main/sub")
     assert claim_key("u", "gpu").startswith("u-")
+
+
+def test_claim_containers_follow_the_pod_spec() -> None:
+    from vgpu.core.dra import claim_containers
+
+    pod = {
+        "spec": {
+            "resourceClaims": [
+                {"name": "direct", "resourceClaimName": "shared-claim"},
+                {"name": "templ", "resourceClaimTemplateName": "t"},
+            ],
+            "initContainers": [{"name": "init", "resources": {"claims": [{"name": "templ"}]}}],
+            "containers": [
+                {"name": "a", "resources": {"claims": [{"name": "direct"}]}},
+                {"name": "b", "resources": {"claims": [{"name": "templ", "request": "gpu"}]}},
+                {"name": "c", "resources": {"claims": [{"name": "templ", "request": "other"}]}},
+                {"name": "d"},
+            ],
+        },
+        "status": {"resourceClaimStatuses": [{"name": "templ", "resourceClaimName": "p-templ-x"}]},
+    }
+    assert claim_containers(pod, "shared-claim", "gpu") == ["a"]
+    assert claim_containers(pod, "p-templ-x", "gpu") == ["b", "init"]
+    assert claim_containers(pod, "p-templ-x", "other") == ["c", "init"]
+    assert claim_containers(pod, "unknown", "gpu") == []
+    assert claim_containers(None, "shared-claim", "gpu") == []

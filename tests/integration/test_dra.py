@@ -579,3 +579,38 @@ def test_a_memory_only_claim_gets_best_effort_compute_and_blocks_no_cores(
     assert mem.env["VGPU_MEMORY_LIMIT_MIB"] == "10240"
     assert _config(dra, mem)["core_units"] == 0
     assert _config(dra, run.edits["cores"])["whole_cards"] is True
+
+
+def test_config_names_the_pod_and_container_and_the_claim_status_has_the_card(
+    make_dra: Factory,
+) -> None:
+    dra = make_dra("preset:2xH200")
+    dra.claim("slice", {"cores": "30", "memory": "10Gi"})
+    run = dra.run_pod("p1", ["slice"])
+    assert run.ok, run.reply
+    config = _config(dra, run.edits["slice"])
+    assert config["pod"] == {"namespace": "default", "name": "p1", "uid": run.uid}
+    assert config["container"] == "main"
+    (card,) = config["cards"]
+
+    def status() -> list[dict[str, Any]]:
+        claim = dra.api.get_object("resourceclaims", "slice", "default")
+        return list(((claim or {}).get("status") or {}).get("devices") or [])
+
+    assert wait_until(lambda: len(status()) == 1, 10), dra.log()[-2000:]
+    (entry,) = status()
+    allocated = dra.api.get_object("resourceclaims", "slice", "default")["status"]["allocation"]  # type: ignore[index]
+    result = allocated["devices"]["results"][0]
+    assert (entry["driver"], entry["pool"], entry["device"]) == (
+        DRIVER,
+        result["pool"],
+        result["device"],
+    )
+    assert entry["shareID"] == result["shareID"]
+    assert entry["data"] == {
+        "request": "gpu",
+        "uuid": card,
+        "wholeCard": False,
+        "coreLimitPercent": 30,
+        "memoryLimitMiB": 10240,
+    }

@@ -624,3 +624,69 @@ def cdi_device_names(claim_uid: str, results: Sequence[AllocatedDevice]) -> list
             name, n = f"{base}-{n}", n + 1
         names.append(name)
     return names
+
+
+# ------------------------------------------------------------ claim users, claim status
+
+
+def claim_containers(pod: Any, claim_name: str, request: str) -> list[str]:
+    """The containers of `pod` (API JSON) that use request `request` of the
+    ResourceClaim named `claim_name`: through the pod's resourceClaims entry
+    that names it (resourceClaimName, or a template's generated claim as
+    status.resourceClaimStatuses records it), and each container's
+    resources.claims (the whole claim, or that request). Sorted; [] when the
+    pod says nothing about it."""
+    if not isinstance(pod, dict):
+        return []
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    local = {
+        str(e.get("name"))
+        for e in spec.get("resourceClaims") or []
+        if isinstance(e, dict) and e.get("resourceClaimName") == claim_name
+    }
+    local |= {
+        str(e.get("name"))
+        for e in status.get("resourceClaimStatuses") or []
+        if isinstance(e, dict) and e.get("resourceClaimName") == claim_name
+    }
+    out = set()
+    for kind in ("initContainers", "containers"):
+        for container in spec.get(kind) or []:
+            if not isinstance(container, dict):
+                continue
+            for use in (container.get("resources") or {}).get("claims") or []:
+                if (
+                    isinstance(use, dict)
+                    and use.get("name") in local
+                    and use.get("request") in (None, "", request)
+                ):
+                    out.add(str(container.get("name", "")))
+    return sorted(out)
+
+
+def device_status(
+    driver: str,
+    device: PreparedDevice,
+    card_uuid: str,
+    core_percent: int,
+    memory_mib: int,
+) -> dict[str, Any]:
+    """One entry of the claim's status.devices (DRAResourceClaimDeviceStatus):
+    the device, and in `data` the card and the limits the container got."""
+    whole = core_percent >= CORE_UNITS_PER_CARD
+    entry: dict[str, Any] = {
+        "driver": driver,
+        "pool": device.pool,
+        "device": device.device,
+        "data": {
+            "request": device.request,
+            "uuid": card_uuid,
+            "wholeCard": whole,
+            "coreLimitPercent": None if whole or core_percent == 0 else core_percent,
+            "memoryLimitMiB": None if whole or memory_mib == 0 else memory_mib,
+        },
+    }
+    if device.share_id is not None:
+        entry["shareID"] = device.share_id
+    return entry

@@ -29,7 +29,13 @@ from vgpu import __version__
 from vgpu.adapters.devnodes import HostDevices
 from vgpu.adapters.dra.cdi import CdiDir
 from vgpu.adapters.dra.health import HealthServicer
-from vgpu.adapters.dra.kube import ClaimCache, ClaimSource, SlicePort, SlicePublisher
+from vgpu.adapters.dra.kube import (
+    ClaimCache,
+    ClaimSource,
+    ClaimStatusWriter,
+    SlicePort,
+    SlicePublisher,
+)
 from vgpu.adapters.dra.plugin import (
     DraServicer,
     RegistrationServicer,
@@ -137,6 +143,8 @@ class DraDaemon:
             events=self._event,
         )
         self.service.devices = HostDevices(s.host_dev_dir)
+        if claims is None:  # a real API server (tests inject their own ports)
+            self.service.users = ClaimStatusWriter(self.driver, s.kubeconfig)
         self.dra_socket = s.dra_plugin_dir() / "dra.sock"
         self.registration_socket = s.kubelet_registry_dir / f"{self.driver}-reg.sock"
         self.registration = RegistrationServicer(self.driver, self.dra_socket)

@@ -20,7 +20,7 @@ from typing import Any
 
 from vgpu.adapters.devnodes import HostDevices
 from vgpu.adapters.dra.cdi import CdiDir, spec_document
-from vgpu.adapters.dra.kube import ClaimLookupError, ClaimSource, SlicePort
+from vgpu.adapters.dra.kube import ClaimLookupError, ClaimSource, ClaimUsers, SlicePort
 from vgpu.adapters.dra.plugin import Prepared
 from vgpu.adapters.dra.state import ClaimRecord, ClaimStore, sweep_temp_files
 from vgpu.adapters.fs import ContainerStore
@@ -42,9 +42,11 @@ from vgpu.core.dra import (
     PreparedDevice,
     allocation_signature,
     cdi_device_names,
+    claim_containers,
     claim_key,
     claim_view,
     device_name,
+    device_status,
     driver_name,
     grants,
     health_reports,
@@ -52,7 +54,7 @@ from vgpu.core.dra import (
 )
 from vgpu.core.errors import InvalidRequest, VgpuError
 from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
-from vgpu.core.model import Card, CardUuid, Placement
+from vgpu.core.model import Card, CardUuid, Owner, Placement
 from vgpu.daemon.service import install_or_refuse
 
 log = logging.getLogger("vgpu")
@@ -110,6 +112,9 @@ class DraService:
         self._health_version = 0
         self._health_since: dict[str, tuple[bool, int]] = {}
         self._closed = False
+        # Pods (which containers use a claim) and claim status; None: neither.
+        self.users: ClaimUsers | None = None
+        self._status_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="claim-status")
 
     # ------------------------------------------------------------ cards
 
@@ -290,6 +295,9 @@ class DraService:
     def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
         view = claim_view(self.claims.get(ref.namespace, ref.name, ref.uid))
         mine = [r for r in view.results if r.driver == self.options.driver]
+        pod = None
+        if self.users is not None and view.pods:
+            pod = self.users.pod(ref.namespace, view.pods[0][0])
         signature = allocation_signature(mine)
         with self._claim_lock(ref.uid):
             with self._lock:
@@ -316,13 +324,14 @@ class DraService:
                         )
             if any(not grant.whole for grant in given):
                 self.ensure_hook()
-            record = self._record(ref, view, mine, given, cards, signature)
+            record = self._record(ref, view, mine, given, cards, signature, pod)
             if known is not None:  # allocated anew under the same UID: drop the old files
                 self._remove_files(known, keep=record)
             self.records.write(record)  # first: a crash from here on leaves a record
             self._write_files(record)
             with self._lock:
                 self.prepared[ref.uid] = record
+        self._write_status(ref, record)
         for grant in given:
             log.info(
                 "prepared claim %s request %s for pod %s on %s: %s",
@@ -345,16 +354,23 @@ class DraService:
         given: list[Grant],
         cards: Mapping[str, Card],
         signature: str,
+        pod: dict[str, Any] | None = None,
     ) -> ClaimRecord:
         now = self.clock()
         placements: dict[str, Placement] = {}
         for grant in given:
+            owner = None
+            if view.pods:  # the pod (and its containers) that use the request, as in config.json
+                name, uid = view.pods[0]
+                containers = claim_containers(pod, ref.name, grant.request)
+                owner = Owner(ref.namespace, name, ",".join(containers), uid)
             placements[grant.request] = Placement(
                 key=claim_key(ref.uid, grant.request),
                 cards=tuple(c.uuid for c in grant.cards),
                 ids={},
                 core_percent=grant.core_percent,
                 memory_mib=grant.memory_mib,
+                owner=owner,
                 created_s=now,
             )
         hook = self.options.hook_path
@@ -393,6 +409,29 @@ class DraService:
             cdi_spec=spec_document(self.cdi.kind, edits),
             created_s=now,
         )
+
+    def _write_status(self, ref: ClaimRef, record: ClaimRecord) -> None:
+        """The claim's status.devices (card UUID and granted limits in `data`),
+        written in the background: the kubelet does not wait for it."""
+        users = self.users
+        if users is None:
+            return
+        by_request = {p.key: p for p in record.placements}
+        with self._lock:
+            uuids = {device_name(c): c.uuid for c in self.cards.values()}
+        entries = []
+        for device in record.devices:
+            placement = by_request[claim_key(ref.uid, device.request)]
+            entries.append(
+                device_status(
+                    self.options.driver,
+                    device,
+                    uuids.get(device.device, ""),
+                    placement.core_percent,
+                    placement.memory_mib,
+                )
+            )
+        self._status_pool.submit(users.write, ref.namespace, ref.name, ref.uid, entries)
 
     def _write_files(self, record: ClaimRecord) -> None:
         for placement in record.placements:
