@@ -214,6 +214,9 @@ class Daemon:
             node_publisher=self.node_publisher,
         )
         self.service.devices = HostDevices(settings.host_dev_dir)
+        if isinstance(self.pods, KubePodCache):
+            self.service.guard = self.pods
+            self.service.unallocated_policy = settings.unallocated_policy
         self.service.delivery = build_delivery(
             settings.device_list_strategy, CdiDir(settings.cdi_dir, settings.resource_domain)
         )
@@ -426,6 +429,7 @@ class Daemon:
             self._reconcile_now.clear()
             try:
                 self.service.reconcile("pod finished or deleted" if woke else "periodic check")
+                self.service.check_unallocated()
             except Exception:
                 log.exception("reconcile failed; will retry")
 
