@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from vgpu.adapters.delivery import Delivery, EnvvarDelivery
 from vgpu.adapters.devnodes import HostDevices
 from vgpu.adapters.fs import ContainerStore
 from vgpu.adapters.gpus import CardReading
-from vgpu.adapters.kube import KubeUnavailable, NodePublisher, NoNodePublisher, PodSource
+from vgpu.adapters.kube import NodePublisher, NoNodePublisher, PodSource
 from vgpu.adapters.kubelet.servicer import (
     AllocationAnswer,
     DeviceView,
@@ -30,7 +30,6 @@ from vgpu.adapters.podresources import PodResourcesClient, PodResourcesUnavailab
 from vgpu.core.annotations import format_inventory, node_key, placements_key
 from vgpu.core.contract import card_node, container_edits, judge_nodes, wanted_nodes
 from vgpu.core.errors import ApiUnavailable, InsufficientCapacity, StateUnwritable, state_error
-from vgpu.core.guard import Escapee, escaped
 from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
 from vgpu.core.model import (
     CORE_UNITS_PER_CARD,
@@ -77,16 +76,6 @@ def install_or_refuse(installer: Callable[[], Path], where: str | None = None) -
         ) from exc
     log.info("hook library installed as %s", hook)
     return hook
-
-
-class GuardSink(Protocol):
-    """Where the guard reports a container that escaped allocation (the API server)."""
-
-    def warn(
-        self, namespace: str, pod: str, uid: str, container: str, reason: str, text: str
-    ) -> None: ...
-
-    def evict(self, namespace: str, pod: str) -> None: ...
 
 
 class PluginService:
@@ -141,12 +130,6 @@ class PluginService:
         # device list strategy; the composition root sets both.
         self.devices: HostDevices | None = None
         self.delivery: Delivery = EnvvarDelivery()
-        # The guard against containers that escaped allocation (check_unallocated).
-        self.guard: GuardSink | None = None
-        self.unallocated_policy = "warn"
-        self._suspects: set[tuple[str, str]] = set()  # seen once: (pod uid, container)
-        self._reported: set[tuple[str, str]] = set()
-        self._evicted: set[str] = set()
 
     # ------------------------------------------------------------ cards
 
@@ -735,66 +718,6 @@ class PluginService:
         live_pods = set(annotate)
         self._annotated = {k: v for k, v in self._annotated.items() if k[:2] in live_pods}
         return released_count
-
-    def check_unallocated(self) -> list[Escapee]:
-        """The guard: running containers that ask vcuda resources but hold no vgpu
-        device (admitted by a kubelet that never called Allocate). Each gets a
-        Warning Event on its pod and counts in vgpu_events_total
-        {kind="unallocated_container"}; with unallocated_policy evict, its pod is
-        evicted. Acts on a container seen on two checks in a row (a pod cache
-        a moment behind the kubelet must not condemn anyone). Returns those acted on."""
-        if self.guard is None or self.podresources is None or not self.pods.synced():
-            return []
-        running = self.pods.running()  # first: a container running now was allocated before
-        if not running:
-            self._suspects.clear()
-            return []
-        try:
-            listing = self.podresources.list({self.resource_name(r) for r in Resource})
-        except PodResourcesUnavailable:
-            return []
-        holding = {(i.namespace, i.pod, i.container) for i in listing if i.device_ids}
-        found = escaped(running, holding)
-        seen = {(e.pod_uid, e.container) for e in found}
-        acted = []
-        for escapee in found:
-            ident = (escapee.pod_uid, escapee.container)
-            if ident not in self._suspects or ident in self._reported:
-                continue
-            acted.append(escapee)
-            self._report_escapee(escapee)
-        self._suspects = seen
-        self._reported &= seen
-        self._evicted &= {e.pod_uid for e in found}
-        return acted
-
-    def _report_escapee(self, escapee: Escapee) -> None:
-        assert self.guard is not None
-        text = escapee.message(self.options.domain)
-        where = f"{escapee.namespace}/{escapee.pod}/{escapee.container}"
-        log.error("unallocated container %s: %s", where, text)
-        self.events("unallocated_container", {"pod": f"{escapee.namespace}/{escapee.pod}"})
-        try:
-            self.guard.warn(
-                escapee.namespace,
-                escapee.pod,
-                escapee.pod_uid,
-                escapee.container,
-                "UnallocatedVgpuContainer",
-                text,
-            )
-            self._reported.add((escapee.pod_uid, escapee.container))
-        except KubeUnavailable as exc:
-            log.warning("%s; retried at the next check", exc)
-        if self.unallocated_policy == "evict" and escapee.pod_uid not in self._evicted:
-            try:
-                self.guard.evict(escapee.namespace, escapee.pod)
-            except KubeUnavailable as exc:
-                log.warning("%s; retried at the next check", exc)
-                return
-            self._evicted.add(escapee.pod_uid)
-            log.warning("evicted %s/%s (unallocated_policy: evict)", escapee.namespace, escapee.pod)
-            self.events("unallocated_evicted", {"pod": f"{escapee.namespace}/{escapee.pod}"})
 
     def _gone_pods(self) -> set[str]:
         """UIDs of placement owners the (synced) pod cache no longer holds: deleted,

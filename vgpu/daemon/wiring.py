@@ -52,6 +52,7 @@ from vgpu.config import Settings
 from vgpu.core.errors import ConfigError, StateUnwritable
 from vgpu.core.health import HealthEvent
 from vgpu.core.model import Card, CardUuid, Resource
+from vgpu.daemon.guard import UnallocatedGuard
 from vgpu.daemon.lifecycle import stop_on_signals
 from vgpu.daemon.service import PluginService, ServiceOptions, install_or_refuse
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
@@ -214,9 +215,16 @@ class Daemon:
             node_publisher=self.node_publisher,
         )
         self.service.devices = HostDevices(settings.host_dev_dir)
+        self.guard: UnallocatedGuard | None = None
         if isinstance(self.pods, KubePodCache):
-            self.service.guard = self.pods
-            self.service.unallocated_policy = settings.unallocated_policy
+            self.guard = UnallocatedGuard(
+                settings.resource_domain,
+                self.pods,
+                self.podresources,
+                self.pods,
+                settings.unallocated_policy,
+                self._event,
+            )
         self.service.delivery = build_delivery(
             settings.device_list_strategy, CdiDir(settings.cdi_dir, settings.resource_domain)
         )
@@ -429,7 +437,8 @@ class Daemon:
             self._reconcile_now.clear()
             try:
                 self.service.reconcile("pod finished or deleted" if woke else "periodic check")
-                self.service.check_unallocated()
+                if self.guard is not None:
+                    self.guard.check()
             except Exception:
                 log.exception("reconcile failed; will retry")
 
