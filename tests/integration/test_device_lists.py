@@ -76,6 +76,11 @@ def test_only_nodes_present_on_the_host_are_named(
     )
     assert {h for d, h in node.kubelet.devices(CORE).items() if "000000000000" in d} == {"Healthy"}
     assert "/dev/nvidia1 does not exist on the host" in node.log()
+    cards = json.loads((node.state_dir / "node.json").read_text())["cards"]
+    assert [c["problem"] for c in cards] == [
+        None,
+        "its device node /dev/nvidia1 does not exist on the host",
+    ]
     result = node.submit(node.pod("p", {CORE: 20, MEM: 8}))
     assert result.ok, result.error
     c = result.containers[0]

@@ -614,3 +614,6 @@ def test_config_names_the_pod_and_container_and_the_claim_status_has_the_card(
         "coreLimitPercent": 30,
         "memoryLimitMiB": 10240,
     }
+    # Unprepared: this driver's entries go with it.
+    assert dra.kubelet.unprepare(DRIVER, run.claims).claims[run.claims[0][1]].error == ""
+    assert wait_until(lambda: status() == [], 10)

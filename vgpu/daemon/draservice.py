@@ -480,6 +480,8 @@ class DraService:
                     del self.prepared[ref.uid]
                     self._claim_locks.pop(ref.uid, None)
             out[ref.uid] = ""
+            if self.users is not None:  # our status.devices entries go with the preparation
+                self._status_pool.submit(self.users.write, ref.namespace, ref.name, ref.uid, [])
             log.info("unprepared claim %s (%s)", record.claim.shown, ref.uid)
             self.events("unprepared", {"claim": ref.uid})
         return out

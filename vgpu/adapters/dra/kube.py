@@ -301,6 +301,8 @@ class ClaimStatusWriter:
             except Exception as exc:
                 if _status_of(exc) == 409:
                     continue  # changed meanwhile: read again
+                if _status_of(exc) == 404:
+                    return False  # the claim is gone: nothing to write
                 log.warning(
                     "cannot write the device status of claim %s/%s: %s",
                     namespace,
