@@ -172,6 +172,10 @@ def test_prepared_claims_carry_the_limits_the_scheduler_allocated(make_dra: Fact
 
     spec_files = _files(dra.cdi_dir)
     assert len(spec_files) == 3
+    from tests.cdi_schema import validate_spec
+
+    for name in spec_files:  # valid for the CDI version each declares
+        validate_spec(json.loads((dra.cdi_dir / name).read_text()))
     spec = json.loads((dra.cdi_dir / spec_files[0]).read_text())
     assert spec["kind"] == "vendor.io/vgpu" and spec["cdiVersion"]
 
