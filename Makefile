@@ -1,5 +1,5 @@
 PY ?= .venv/bin/python
-PROTOS := proto/vgpu/pb/deviceplugin_v1beta1.proto proto/vgpu/pb/podresources_v1.proto proto/vgpu/pb/dra_v1.proto proto/vgpu/pb/pluginregistration_v1.proto
+PROTOS := proto/vgpu/pb/deviceplugin_v1beta1.proto proto/vgpu/pb/podresources_v1.proto proto/vgpu/pb/dra_v1.proto proto/vgpu/pb/pluginregistration_v1.proto proto/vgpu/pb/drahealth_v1alpha1.proto
 
 .PHONY: proto check lint type test hooks bench deploy constraints
 

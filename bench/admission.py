@@ -7,10 +7,18 @@ size) are admitted in turn, pod for pod, in the same simulator, so both see the
 same machine load. Fractional pods ask both resources; the resource order
 alternates; a sliding window of live pods is deleted as new ones arrive, so the
 node never fills.
+
+`strategy` is vgpu's device_list_strategy (envvar, cdi, volume-mounts): with
+`cdi`, every Allocate also writes (atomically, fsynced) the container's CDI
+spec before it answers. Run one strategy alone:
+
+    python -m bench.admission --strategy cdi --count 400
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import shutil
 import time
 from collections.abc import Sequence
@@ -76,9 +84,15 @@ def _ratio(a: float, b: float) -> float:
     return round(a / b, 2) if b > 0 else float("inf")
 
 
-def run(count: int) -> Json:
+def run(count: int, strategy: str = "envvar") -> Json:
     """Admit ``count`` pods to vgpu and ``count`` to the null plugin, interleaved."""
     node = SimNode(gpus=GPUS, node="bench-node")
+    node.daemon_args += [
+        "--device-list-strategy",
+        strategy,
+        "--cdi-dir",
+        str(node.root / "cdi"),
+    ]
     nulls: list[NullDevicePlugin] = []
     try:
         node.start(timeout_s=30.0)
@@ -154,6 +168,7 @@ def run(count: int) -> Json:
         return {
             "config": {
                 "gpus": GPUS,
+                "strategy": strategy,
                 "admissions": count,
                 "warmup": WARMUP,
                 "live_window": LIVE_WINDOW,
@@ -171,3 +186,15 @@ def run(count: int) -> Json:
             plugin.stop()
         node.close()
         shutil.rmtree(node.root, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", default="envvar", choices=["envvar", "cdi", "volume-mounts"])
+    parser.add_argument("--count", type=int, default=400)
+    args = parser.parse_args()
+    print(json.dumps(run(args.count, args.strategy), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -20,6 +20,8 @@ from vgpu.pb import deviceplugin_v1beta1_pb2 as dp
 from vgpu.pb import deviceplugin_v1beta1_pb2_grpc as dp_grpc
 from vgpu.pb import dra_v1_pb2 as dra
 from vgpu.pb import dra_v1_pb2_grpc as dra_grpc
+from vgpu.pb import drahealth_v1alpha1_pb2 as health
+from vgpu.pb import drahealth_v1alpha1_pb2_grpc as health_grpc
 from vgpu.pb import pluginregistration_v1_pb2 as reg
 from vgpu.pb import pluginregistration_v1_pb2_grpc as reg_grpc
 from vgpu.pb import podresources_v1_pb2 as pr
@@ -33,6 +35,7 @@ PROTOS = {
     "vgpu/pb/podresources_v1.proto": pr,
     "vgpu/pb/dra_v1.proto": dra,
     "vgpu/pb/pluginregistration_v1.proto": reg,
+    "vgpu/pb/drahealth_v1alpha1.proto": health,
 }
 
 
@@ -79,6 +82,7 @@ def test_packages() -> None:
     assert pr.DESCRIPTOR.package == "v1"
     assert dra.DESCRIPTOR.package == "k8s.io.kubelet.pkg.apis.dra.v1"
     assert reg.DESCRIPTOR.package == "pluginregistration"
+    assert health.DESCRIPTOR.package == "v1alpha1"  # upstream's, for the method path
 
 
 # ------------------------------------------------------------ method paths
@@ -117,13 +121,14 @@ METHODS = {
     "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources": "unary_unary",
     "/pluginregistration.Registration/GetInfo": "unary_unary",
     "/pluginregistration.Registration/NotifyRegistrationStatus": "unary_unary",
+    "/v1alpha1.DRAResourceHealth/NodeWatchResources": "unary_stream",
 }
 
 
 def test_method_paths_in_descriptors_and_stubs() -> None:
     from_descriptors = {
         f"/{service.full_name}/{method.name}"
-        for module in (dp, pr, dra, reg)
+        for module in (dp, pr, dra, reg, health)
         for service in module.DESCRIPTOR.services_by_name.values()
         for method in service.methods
     }
@@ -134,6 +139,7 @@ def test_method_paths_in_descriptors_and_stubs() -> None:
     pr_grpc.PodResourcesListerStub(channel)  # type: ignore[no-untyped-call]
     dra_grpc.DRAPluginStub(channel)  # type: ignore[no-untyped-call]
     reg_grpc.RegistrationStub(channel)  # type: ignore[no-untyped-call]
+    health_grpc.DRAResourceHealthStub(channel)  # type: ignore[no-untyped-call]
     assert channel.paths == METHODS
 
 

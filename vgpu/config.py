@@ -70,6 +70,9 @@ class Settings:
     context_overhead_mib: int = 0
     hook_injection: str = "ld-so-preload"
     api_unready_after_s: float = 60.0
+    device_list_strategy: str = "envvar"
+    host_dev_dir: Path = Path("/dev")
+    unallocated_policy: str = "warn"
 
     def public(self) -> dict[str, Any]:
         """The effective settings as plain data (for the start-up log and `config`)."""
@@ -117,7 +120,7 @@ KEYS: dict[str, str] = {
     "mode": "device-plugin (extended resources) or dra (Dynamic Resource Allocation, 1.34+)",
     "kubelet_registry_dir": "dra: the kubelet's plugin-watcher directory",
     "kubelet_plugin_dir": "dra: the DRA socket dir; unset: /var/lib/kubelet/plugins/vgpu.<domain>",
-    "cdi_dir": "dra: where CDI spec files are written for the container runtime",
+    "cdi_dir": "where CDI spec files are written for the container runtime (dra, or cdi strategy)",
     "context_overhead_mib": (
         "per-card CUDA context memory (MiB) the hook charges where NVML cannot measure it (0-65536)"
     ),
@@ -127,6 +130,15 @@ KEYS: dict[str, str] = {
     ),
     "api_unready_after_s": (
         "/readyz turns not-ready once the API server has been unreachable this long (5-86400)"
+    ),
+    "device_list_strategy": (
+        "how cards reach a container: envvar (NVIDIA_VISIBLE_DEVICES), cdi (CDI specs in "
+        "cdi_dir) or volume-mounts (/var/run/nvidia-container-devices)"
+    ),
+    "host_dev_dir": "the host's /dev as mounted here: only device nodes present there are named",
+    "unallocated_policy": (
+        "a running container asking vcuda resources that holds no vgpu device: warn (event "
+        "and metric) or evict (also evicted through the Eviction API)"
     ),
 }
 _PATHS = {
@@ -140,6 +152,7 @@ _PATHS = {
     "kubelet_registry_dir",
     "kubelet_plugin_dir",
     "cdi_dir",
+    "host_dev_dir",
 }
 _OPTIONAL = {
     "mock_gpus",
@@ -249,6 +262,14 @@ def _convert(key: str, value: Any, source: str) -> Any:
         return str(value)
     if key == "node_name":
         return str(value)
+    if key == "device_list_strategy":
+        if value not in ("envvar", "cdi", "volume-mounts"):
+            raise bad("envvar, cdi or volume-mounts")
+        return value
+    if key == "unallocated_policy":
+        if value not in ("warn", "evict"):
+            raise bad("warn or evict")
+        return value
     if key == "metrics_container_names":
         return _bool(value, bad)
     if key == "hook_injection":

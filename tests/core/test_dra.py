@@ -79,7 +79,7 @@ def test_h200_at_256_mib_publishes_143616mi() -> None:
     }
     assert caps["cores"].to_json() == {
         "value": "100",
-        "requestPolicy": {"default": "100", "validRange": {"min": "1", "max": "100", "step": "1"}},
+        "requestPolicy": {"default": "0", "validRange": {"min": "0", "max": "100", "step": "1"}},
     }
 
 
@@ -100,11 +100,17 @@ def test_a_card_under_two_memory_units_is_not_published() -> None:
     assert [d["name"] for d in slice_devices([small, big], 256)] == ["gpu-1"]
 
 
-def test_slice_lists_healthy_cards_with_their_attributes() -> None:
+def test_slice_lists_cards_with_their_attributes_and_taints_the_sick() -> None:
     a, b, c = cards(3, numa=[0, 1, 1])
     c = replace(c, numa_node=None)
-    devices = slice_devices([replace(b, healthy=False), c, a], 256)
-    assert [d["name"] for d in devices] == ["gpu-0", "gpu-2"]
+    devices = slice_devices([replace(b, healthy=False, xid=79), c, a], 256, taint_key="d.io/x")
+    assert [d["name"] for d in devices] == ["gpu-0", "gpu-1", "gpu-2"]
+    assert devices[1]["taints"] == [{"key": "d.io/x", "value": "xid-79", "effect": "NoSchedule"}]
+    assert "taints" not in devices[0] and "taints" not in devices[2]
+    missing = replace(b, healthy=False, problem="its device node /dev/nvidia1 does not exist")
+    (only,) = slice_devices([missing], 256)
+    assert only["taints"][0]["value"] == "device-node-missing"
+    devices = [devices[0], devices[2]]
     first = devices[0]
     assert first["allowMultipleAllocations"] is True
     assert first["attributes"] == {
@@ -253,7 +259,9 @@ def grant_of(*results: AllocatedDevice) -> list[tuple[str, tuple[int, ...], int,
         ([result(consumed={"cores": "100", "memory": "10Gi"})], [("gpu", (0,), 100, 0)]),
         ([result(consumed={"cores": "20", "memory": "143616Mi"})], [("gpu", (0,), 20, 143616)]),
         ([result(consumed={"cores": "20"})], [("gpu", (0,), 20, 143616)]),
-        ([result(consumed={"memory": "4Gi"})], [("gpu", (0,), 100, 0)]),
+        ([result(consumed={"memory": "4Gi"})], [("gpu", (0,), 0, 4096)]),
+        ([result(consumed={"cores": "0", "memory": "4Gi"})], [("gpu", (0,), 0, 4096)]),
+        ([result(consumed={"cores": "0", "memory": "143616Mi"})], [("gpu", (0,), 100, 0)]),
         ([result(consumed=None, share=None)], [("gpu", (0,), 100, 0)]),
         ([result(consumed={"cores": "30", "memory": "10737418240"})], [("gpu", (0,), 30, 10240)]),
         (
@@ -291,7 +299,9 @@ def grant_of(*results: AllocatedDevice) -> list[tuple[str, tuple[int, ...], int,
         "all-cores-is-whole-whatever-the-memory",
         "cores-and-all-memory",
         "cores-only-takes-the-memory-default",
-        "memory-only-takes-the-cores-default",
+        "memory-only-is-best-effort-compute-as-in-device-plugin-mode",
+        "zero-cores-is-best-effort",
+        "asked-nothing-is-the-whole-card",
         "exclusive-allocation-without-consumed-capacity",
         "memory-in-bytes",
         "one-request-two-cards",
@@ -312,7 +322,7 @@ def test_grants(results: list[AllocatedDevice], expected: list[Any]) -> None:
         ([result(pool="node-b", consumed={"cores": "1"})], InvalidRequest, "another node"),
         ([result("gpu-7", {"cores": "1"})], UnknownDevice, "does not have"),
         ([result("cpu-0", {"cores": "1"})], UnknownDevice, "never published"),
-        ([result(consumed={"cores": "0"})], InvalidRequest, "cannot give"),
+        ([result(consumed={"cores": "-1"})], InvalidRequest, "cannot give"),
         ([result(consumed={"cores": "101"})], InvalidRequest, "cannot give"),
         ([result(consumed={"cores": "2.5"})], InvalidRequest, "cannot give"),
         ([result(consumed={"cores": "5", "memory": "300Mi"})], InvalidRequest, "cannot give"),
@@ -444,3 +454,29 @@ def test_cdi_names_are_unique_per_result_and_keys_per_request() -> None:
     assert cdi_device_names("u", results) == ["u-gpu-gpu-0", "u-gpu-gpu-0-1", "u-main_sub-gpu-1"]
     assert claim_key("u", "gpu") == claim_key("u", "gpu") != claim_key("u", "main/sub")
     assert claim_key("u", "gpu").startswith("u-")
+
+
+def test_claim_containers_follow_the_pod_spec() -> None:
+    from vgpu.core.dra import claim_containers
+
+    pod = {
+        "spec": {
+            "resourceClaims": [
+                {"name": "direct", "resourceClaimName": "shared-claim"},
+                {"name": "templ", "resourceClaimTemplateName": "t"},
+            ],
+            "initContainers": [{"name": "init", "resources": {"claims": [{"name": "templ"}]}}],
+            "containers": [
+                {"name": "a", "resources": {"claims": [{"name": "direct"}]}},
+                {"name": "b", "resources": {"claims": [{"name": "templ", "request": "gpu"}]}},
+                {"name": "c", "resources": {"claims": [{"name": "templ", "request": "other"}]}},
+                {"name": "d"},
+            ],
+        },
+        "status": {"resourceClaimStatuses": [{"name": "templ", "resourceClaimName": "p-templ-x"}]},
+    }
+    assert claim_containers(pod, "shared-claim", "gpu") == ["a"]
+    assert claim_containers(pod, "p-templ-x", "gpu") == ["b", "init"]
+    assert claim_containers(pod, "p-templ-x", "other") == ["c", "init"]
+    assert claim_containers(pod, "unknown", "gpu") == []
+    assert claim_containers(None, "shared-claim", "gpu") == []

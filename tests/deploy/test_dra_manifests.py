@@ -24,6 +24,7 @@ HOST_DIRS = {
     "/var/run/cdi": "DirectoryOrCreate",
     "/var/lib/vgpu": "DirectoryOrCreate",
     "/usr/local/vgpu": "DirectoryOrCreate",
+    "/dev": "Directory",  # read-only at /host/dev: which device nodes the host has
 }
 
 
@@ -94,13 +95,15 @@ def test_device_class_selects_the_drivers_devices() -> None:
 def test_cluster_role_grants_exactly_what_the_driver_uses() -> None:
     granted: dict[str, set[str]] = {}
     for rule in _only("ClusterRole")["rules"]:
-        assert rule["apiGroups"] == ["resource.k8s.io"], rule
+        assert rule["apiGroups"] in (["resource.k8s.io"], [""]), rule
         assert "resourceNames" not in rule and "nonResourceURLs" not in rule
         for resource in rule["resources"]:
             granted.setdefault(resource, set()).update(rule["verbs"])
     assert granted == {
         "resourceslices": {"create", "update", "delete", "list", "watch"},
         "resourceclaims": {"get", "list", "watch"},
+        "resourceclaims/status": {"update"},  # status.devices of prepared claims
+        "pods": {"get"},  # which containers use a claim
     }
     text = yaml.safe_dump(_only("ClusterRole"))
     assert "*" not in text and "secret" not in text.lower()
@@ -146,7 +149,8 @@ def test_host_paths_and_their_types() -> None:
     mounted = {m["name"]: m["mountPath"] for m in _container()["volumeMounts"]}
     for name, volume in volumes.items():
         if "hostPath" in volume:
-            assert mounted[name] == volume["hostPath"]["path"], name
+            path = volume["hostPath"]["path"]
+            assert mounted[name] == ("/host/dev" if path == "/dev" else path), name
 
 
 def test_a_node_runs_one_mode() -> None:

@@ -28,6 +28,8 @@ HOST_DIRS = {
     "/var/lib/kubelet/pod-resources",
     "/var/lib/vgpu",
     "/usr/local/vgpu",
+    # /var/run/cdi only with deviceListStrategy: cdi (tests/deploy/test_chart.py)
+    "/dev",  # read-only at /host/dev: which device nodes the host has
 }
 
 
@@ -138,7 +140,12 @@ def test_cluster_role_grants_exactly_what_vgpu_uses() -> None:
         assert "resourceNames" not in rule and "nonResourceURLs" not in rule
         for resource in rule["resources"]:
             granted.setdefault(resource, set()).update(rule["verbs"])
-    assert granted == {"pods": POD_VERBS, "nodes": NODE_VERBS}
+    assert granted == {
+        "pods": POD_VERBS,
+        "nodes": NODE_VERBS,
+        "events": {"create"},  # the guard's Warning Event
+        "pods/eviction": {"create"},  # unallocated_policy: evict
+    }
 
 
 def test_rbac_has_no_wildcard_and_no_secrets() -> None:
@@ -247,7 +254,10 @@ def test_host_paths_cover_the_four_directories(
     assert {h["path"] for h in host.values()} == HOST_DIRS
     mounted = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     for name, source in host.items():
-        assert mounted[name] == source["path"], name
+        want = "/host/dev" if source["path"] == "/dev" else source["path"]
+        assert mounted[name] == want, name
+    host_dev = next(m for m in container["volumeMounts"] if m["mountPath"] == "/host/dev")
+    assert host_dev["readOnly"] is True
     by_path = {h["path"]: h["type"] for h in host.values()}
     assert by_path["/var/lib/vgpu"] == "DirectoryOrCreate"
     assert by_path["/usr/local/vgpu"] == "DirectoryOrCreate"

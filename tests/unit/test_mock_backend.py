@@ -28,7 +28,13 @@ def test_reads_json_and_yaml(mock_gpus_file: MockGpusFile, fmt: str) -> None:
     got = backend.cards()
     assert [c.uuid for c in got] == [g["uuid"] for g in gpus]
     assert got[0] == Card(
-        uuid=got[0].uuid, index=0, name="NVIDIA H200", memory_mib=H200_MIB, minor=0, numa_node=1
+        uuid=got[0].uuid,
+        index=0,
+        name="NVIDIA H200",
+        memory_mib=H200_MIB,
+        minor=0,
+        numa_node=1,
+        device_nodes=(),  # a mock card names no device node unless its file lists them
     )
     assert (got[1].index, got[1].minor, got[1].xid, got[1].healthy) == (1, 7, 79, True)
     assert backend.readings() == {}
@@ -225,3 +231,24 @@ def test_mock_file_can_report_real_usage(mock_gpus_file: Any) -> None:
     bad = {"gpus": [{"uuid": "GPU-a", "name": "x", "memory_mib": 1, "utilization_percent": 101}]}
     with pytest.raises(ConfigError, match=r"gpus\[0\]\.utilization_percent"):
         parse_mock(bad, "f")
+
+
+def test_device_nodes_are_listed_per_card_and_checked() -> None:
+    data = {
+        "gpus": [
+            {"uuid": "GPU-a", "name": "x", "memory_mib": 1024},
+            {
+                "uuid": "GPU-b",
+                "name": "x",
+                "memory_mib": 1024,
+                "device_nodes": ["/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia1"],
+            },
+        ]
+    }
+    a, b = parse_mock(data, "f")
+    assert a.device_nodes == () and b.device_nodes == ("/dev/nvidia1", "/dev/nvidiactl")
+    for bad in (["nvidia0"], ["/dev/../etc/passwd"], "/dev/nvidia0", [3]):
+        data["gpus"][1]["device_nodes"] = bad
+        with pytest.raises(ConfigError, match=r"gpus\[1\]\.device_nodes: must be a list"):
+            parse_mock(data, "f")
+    assert all(c.device_nodes == () for c in preset_cards("preset:2xH200"))

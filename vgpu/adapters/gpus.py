@@ -91,6 +91,7 @@ def preset_cards(spec: str) -> list[Card]:
             memory_mib=memory_mib,
             minor=i,
             numa_node=i * 2 // count if count > 1 else 0,
+            device_nodes=(),  # a preset has no device nodes: it runs on any host
         )
         for i in range(count)
     ]
@@ -116,6 +117,7 @@ def parse_mock(data: Any, source: str) -> list[Card]:
         raise ConfigError(f'{source}: gpus: expected {{"gpus": [{{"uuid": ..., ...}}, ...]}}')
     cards: list[Card] = []
     allowed = {"uuid", "name", "memory_mib", "minor", "numa_node", "healthy", "xid", "index"}
+    allowed.add("device_nodes")
     allowed |= set(READING_KEYS)
     for i, item in enumerate(data["gpus"]):
         where = f"{source}: gpus[{i}]"
@@ -166,9 +168,28 @@ def parse_mock(data: Any, source: str) -> list[Card]:
                 numa_node=item.get("numa_node"),
                 healthy=healthy,
                 xid=item.get("xid"),
+                device_nodes=_mock_nodes(item.get("device_nodes"), f"{where}.device_nodes"),
             )
         )
     return cards
+
+
+_NODE_RE = re.compile(r"^/dev/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _mock_nodes(value: Any, where: str) -> tuple[str, ...]:
+    """A mock card's device nodes: none unless the file lists them (e.g.
+    [/dev/nvidia0, /dev/nvidiactl]); only those the host has are named."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+        isinstance(v, str) and _NODE_RE.match(v) for v in value
+    ):
+        raise ConfigError(
+            f"{where}: must be a list of device paths directly under /dev, e.g. "
+            "[/dev/nvidia0, /dev/nvidiactl]"
+        )
+    return tuple(dict.fromkeys(value))
 
 
 class MockBackend:

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -65,6 +65,10 @@ class PodSource(Protocol):
         """The pod's UID if cached, else ''."""
         ...
 
+    def running(self) -> list[ContainerSpec]:
+        """Containers of this node's Running pods that ask for our resources."""
+        ...
+
     def start(self, stop: threading.Event) -> None: ...
 
 
@@ -93,6 +97,9 @@ class NoPods:
 
     def uid_of(self, namespace: str, pod: str) -> str:
         return ""
+
+    def running(self) -> list[ContainerSpec]:
+        return []
 
     def start(self, stop: threading.Event) -> None:
         return None
@@ -333,6 +340,61 @@ class KubePodCache:
         self._patches.put((namespace, pod, annotations))
 
     # --------------------------------------------------------- lifecycle
+
+    def running(self) -> list[ContainerSpec]:
+        """Containers of this node's Running pods that ask for our resources."""
+        with self._cond:
+            pods = [
+                obj
+                for obj in self._pods.values()
+                if (obj.get("status") or {}).get("phase") == "Running"
+                and not (obj.get("metadata") or {}).get("deletionTimestamp")
+            ]
+        return [spec for obj in pods for spec in container_specs(obj, self.domain)]
+
+    def warn(
+        self, namespace: str, pod: str, uid: str, container: str, reason: str, text: str
+    ) -> None:
+        """A Warning Event on the pod (KubeUnavailable when the API refuses it)."""
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{pod}.", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "namespace": namespace,
+                "name": pod,
+                "uid": uid,
+                "fieldPath": f"spec.containers{{{container}}}",
+            },
+            "reason": reason,
+            "message": text[:1024],
+            "type": "Warning",
+            "source": {"component": "vgpu", "host": self.node_name},
+            "reportingComponent": "vgpu",
+            "reportingInstance": self.node_name,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self._client().create_namespaced_event(namespace, body, _request_timeout=5)
+        except Exception as exc:
+            raise KubeUnavailable(f"cannot post an event on {namespace}/{pod}: {exc}") from None
+
+    def evict(self, namespace: str, pod: str) -> None:
+        """Evict the pod through the Eviction API (honours disruption budgets)."""
+        body = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": pod, "namespace": namespace},
+        }
+        try:
+            self._client().create_namespaced_pod_eviction(pod, namespace, body, _request_timeout=5)
+        except Exception as exc:
+            raise KubeUnavailable(f"cannot evict {namespace}/{pod}: {exc}") from None
 
     def start(self, stop: threading.Event) -> None:
         threading.Thread(

@@ -35,6 +35,7 @@ def node_document(
             "numa_node": c.numa_node,
             "healthy": c.healthy,
             "xid": c.xid,
+            "problem": c.problem,
             "memory_used_mib": reading.memory_used_mib,
             "utilization_percent": reading.utilization_percent,
         }

@@ -50,6 +50,12 @@ SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         "--hook-injection",
         {"choices": ["ld-so-preload", "env"], "help": "hook loading (default ld-so-preload)"},
     ),
+    (
+        "--device-list-strategy",
+        {"choices": ["envvar", "cdi", "volume-mounts"], "help": "card hand-over (default envvar)"},
+    ),
+    ("--host-dev-dir", {"metavar": "DIR", "help": "the host's /dev as seen here (default /dev)"}),
+    ("--unallocated-policy", {"choices": ["warn", "evict"], "help": "unallocated containers"}),
 ]
 
 

@@ -42,6 +42,7 @@ def _card_entry(c: dict[str, Any], health: str | None = None) -> dict[str, Any]:
         "name": c["name"],
         "health": health or ("Healthy" if c.get("healthy", True) else "Unhealthy"),
         "xid": c.get("xid"),
+        "problem": c.get("problem"),
         "memory_mib": c["memory_mib"],
         "numa_node": c.get("numa_node"),
         "minor": c.get("minor"),
@@ -213,6 +214,7 @@ def render(doc: dict[str, Any], wide: bool = False, color: bool = False) -> str:
             health_text = paint(health, "32")
         else:
             xid = f" (XID {card['xid']})" if card.get("xid") else ""
+            xid = xid or (f" ({card['problem']})" if card.get("problem") else "")
             health_text = paint(health + xid, "31;1")
         mem_total = card["memory_mib"] or 1
         lines.append(

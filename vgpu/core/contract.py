@@ -8,7 +8,7 @@ filesystem adapter.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 from vgpu.core.model import CORE_UNITS_PER_CARD, Card, Placement
@@ -21,6 +21,11 @@ HOOK_MOUNT_DIR = "/usr/local/vgpu"  # the hook library, under its versioned name
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 PRELOAD_FILE = "/etc/ld.so.preload"  # hook_injection ld-so-preload: names the hook (read-only)
 HOOK_INJECTIONS = ("ld-so-preload", "env")
+
+# NVIDIA's volume-mounts convention: the toolkit reads the card list from the
+# names of the mounts under this directory (accept-nvidia-visible-devices-as-volume-mounts).
+DEVICE_LIST_MOUNT_DIR = "/var/run/nvidia-container-devices"
+STRATEGIES = ("envvar", "cdi", "volume-mounts")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,9 @@ class ContainerEdits:
     mounts: tuple[MountSpec, ...] = ()
     devices: tuple[DeviceNode, ...] = ()
     annotations: dict[str, str] = field(default_factory=dict)
+    # Fully qualified CDI device names (`<domain>/vgpu=<name>`): the `cdi`
+    # delivery answers with these only, the spec they name carries the rest.
+    cdi_devices: tuple[str, ...] = ()
 
 
 def limit_envs(placement: Placement, context_overhead_mib: int = 0) -> dict[str, str]:
@@ -74,12 +82,15 @@ def container_edits(
     shared_dir: str,
     hook_path: str | None,
     context_overhead_mib: int = 0,
+    present_nodes: Collection[str] = (),
 ) -> ContainerEdits:
     """Everything the container gets: the one contract of both modes.
 
     `shared_dir` is the host directory holding the container's budget file; only
     that file is mounted (read-write), so the container cannot create, link or
-    grow anything else on the host's disk through it.
+    grow anything else on the host's disk through it. Device nodes are named
+    only where `present_nodes` (what the host has now) holds them: the runtime
+    refuses a container whose answer names a node the host lacks.
     """
     envs = limit_envs(placement, context_overhead_mib)
     mounts = [
@@ -91,11 +102,10 @@ def container_edits(
         mounts.append(MountSpec(in_container, hook_path, True))
         envs["LD_PRELOAD"] = in_container
     devices = [
-        DeviceNode(f"/dev/nvidia{card.minor}", f"/dev/nvidia{card.minor}")
-        for card in cards
-        if card is not None
+        DeviceNode(path, path)
+        for path in wanted_nodes([c for c in cards if c is not None])
+        if path in present_nodes
     ]
-    devices += [DeviceNode(path, path) for path in CONTROL_DEVICES]
     return ContainerEdits(envs=envs, mounts=tuple(mounts), devices=tuple(devices))
 
 
@@ -125,3 +135,75 @@ def with_hook_injection(
         return edits
     host = f"{hook_path.rsplit('/', 1)[0]}/{preload_file_name(hook_path)}"
     return replace(edits, mounts=(*edits.mounts, MountSpec(PRELOAD_FILE, host, True)))
+
+
+# ------------------------------------------------------------ device nodes
+
+
+def card_node(card: Card) -> str | None:
+    """The card's own device node, None where the card has none (a mock card
+    whose file lists no /dev/nvidia<minor>)."""
+    own = f"/dev/nvidia{card.minor}"
+    if card.device_nodes is None or own in card.device_nodes:
+        return own
+    return None
+
+
+def wanted_nodes(cards: Sequence[Card]) -> tuple[str, ...]:
+    """Every device node the cards need, own nodes first, each once. Which of
+    them the host really has is the filesystem adapter's question."""
+    out: list[str] = []
+    for card in cards:
+        own = card_node(card)
+        if own is not None and own not in out:
+            out.append(own)
+    for card in cards:
+        own = card_node(card)
+        extra = CONTROL_DEVICES if card.device_nodes is None else card.device_nodes
+        out.extend(path for path in extra if path != own and path not in out)
+    return tuple(out)
+
+
+def node_problem(card: Card, present_nodes: Collection[str]) -> str | None:
+    """Why the card cannot be handed over, when its own node is missing."""
+    own = card_node(card)
+    if own is None or own in present_nodes:
+        return None
+    return f"its device node {own} does not exist on the host"
+
+
+def judge_nodes(card: Card, present_nodes: Collection[str]) -> Card:
+    """The card with its node health applied: unhealthy (with the reason) while
+    its own node is missing, healthy again once it is back (unless an XID
+    still holds it); the same object when nothing changed."""
+    problem = node_problem(card, present_nodes)
+    if problem is not None:
+        if card.problem == problem and not card.healthy:
+            return card
+        return replace(card, healthy=False, problem=problem)
+    if card.problem is not None:
+        return replace(card, healthy=card.xid is None, problem=None)
+    return card
+
+
+# ------------------------------------------------------------ deliveries
+
+
+def as_volume_mounts(edits: ContainerEdits, cards: Sequence[str]) -> ContainerEdits:
+    """The `volume-mounts` delivery: the card list as /dev/null mounts named
+    after each card, NVIDIA_VISIBLE_DEVICES pointing at their directory, so
+    that a toolkit that ignores the variable from unprivileged images still
+    gets the list, and an image's own NVIDIA_VISIBLE_DEVICES=all gets nothing."""
+    envs = {**edits.envs, "NVIDIA_VISIBLE_DEVICES": DEVICE_LIST_MOUNT_DIR}
+    mounts = edits.mounts + tuple(
+        MountSpec(f"{DEVICE_LIST_MOUNT_DIR}/{uuid}", "/dev/null", True) for uuid in cards
+    )
+    return replace(edits, envs=envs, mounts=mounts)
+
+
+def as_cdi_reference(edits: ContainerEdits, qualified_name: str) -> ContainerEdits:
+    """The `cdi` delivery's Allocate answer: the one fully qualified CDI device
+    name; the spec it names carries envs, mounts and device nodes."""
+    return ContainerEdits(
+        envs={}, annotations=dict(edits.annotations), cdi_devices=(qualified_name,)
+    )

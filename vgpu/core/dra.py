@@ -23,7 +23,10 @@ What a claim gets:
   the memory consumed. A claim that asks cores only consumes the memory
   default, i.e. the whole card's memory: it gets that as its limit and, as every
   claim consumes at least one memory unit, keeps the card to itself. A claim
-  that asks memory only consumes the cores default (100): the whole card.
+  that asks memory only consumes the cores default, 0: best-effort compute with
+  its memory limit, blocking no one's cores, as a memory-only request does in
+  device-plugin mode. A claim that asks nothing consumes 0 cores and the whole
+  memory: the card whole, as before.
 
 Pure: quantities come in as the API's strings, cards as core Cards.
 """
@@ -237,7 +240,9 @@ def card_capacities(card: Card, memory_unit_mib: int) -> dict[str, Capacity]:
     if memory_mib < 2 * memory_unit_mib:
         return {}
     return {
-        CORES: Capacity(CORES, CORE_UNITS_PER_CARD, 1, 1, CORE_UNITS_PER_CARD),
+        # Not asked: 0 cores, best-effort compute, as a memory-only request in
+        # device-plugin mode (one meaning per request in both modes).
+        CORES: Capacity(CORES, CORE_UNITS_PER_CARD, 0, 1, 0),
         MEMORY: Capacity(MEMORY, memory_mib, memory_unit_mib, memory_unit_mib, memory_mib, "Mi"),
     }
 
@@ -245,12 +250,28 @@ def card_capacities(card: Card, memory_unit_mib: int) -> dict[str, Capacity]:
 # ------------------------------------------------------------ ResourceSlice
 
 
-def slice_devices(cards: Sequence[Card], memory_unit_mib: int) -> list[dict[str, Any]]:
-    """The ResourceSlice devices: one per healthy card with room for two memory units."""
+def health_taint_value(card: Card) -> str:
+    """Why a card is tainted, as a label value: xid-<n>, device-node-missing or unhealthy."""
+    if card.xid is not None:
+        return f"xid-{card.xid}"
+    if card.problem and "device node" in card.problem:
+        return "device-node-missing"
+    return "unhealthy"
+
+
+def slice_devices(
+    cards: Sequence[Card], memory_unit_mib: int, taint_key: str = "vgpu/unhealthy"
+) -> list[dict[str, Any]]:
+    """The ResourceSlice devices: one per card with room for two memory units.
+
+    A sick card stays published with a NoSchedule device taint (`taint_key`,
+    the reason as its value; DRADeviceTaints): nothing new is allocated on it,
+    and the claims already on it stay visible against a device that exists.
+    """
     devices = []
     for card in sorted(cards, key=lambda c: c.index):
         capacities = card_capacities(card, memory_unit_mib)
-        if not card.healthy or not capacities:
+        if not capacities:
             continue
         attributes: dict[str, Any] = {
             "uuid": {"string": card.uuid},
@@ -259,15 +280,47 @@ def slice_devices(cards: Sequence[Card], memory_unit_mib: int) -> list[dict[str,
         }
         if card.numa_node is not None:
             attributes["numaNode"] = {"int": card.numa_node}
-        devices.append(
-            {
-                "name": device_name(card),
-                "allowMultipleAllocations": True,
-                "attributes": attributes,
-                "capacity": {name: cap.to_json() for name, cap in capacities.items()},
-            }
-        )
+        device: dict[str, Any] = {
+            "name": device_name(card),
+            "allowMultipleAllocations": True,
+            "attributes": attributes,
+            "capacity": {name: cap.to_json() for name, cap in capacities.items()},
+        }
+        if not card.healthy:
+            device["taints"] = [
+                {"key": taint_key, "value": health_taint_value(card), "effect": "NoSchedule"}
+            ]
+        devices.append(device)
     return devices[:MAX_DEVICES_PER_SLICE]
+
+
+@dataclass(frozen=True)
+class DeviceHealthReport:
+    """One device's health as the kubelet's DRA health stream carries it."""
+
+    pool: str
+    device: str
+    healthy: bool
+    updated_s: int  # unix seconds of the last change
+    message: str = ""
+
+
+def health_reports(
+    cards: Sequence[Card], pool: str, since_s: Mapping[str, int]
+) -> list[DeviceHealthReport]:
+    """Every card's health (the full list the stream sends), by device name;
+    `since_s` maps card UUIDs to the time their health last changed."""
+    out = []
+    for card in sorted(cards, key=lambda c: c.index):
+        why = ""
+        if not card.healthy:
+            why = f"XID {card.xid}" if card.xid is not None else card.problem or "unhealthy"
+        out.append(
+            DeviceHealthReport(
+                pool, device_name(card), card.healthy, since_s.get(card.uuid, 0), why
+            )
+        )
+    return out
 
 
 def slice_name(node: str, driver: str) -> str:
@@ -348,6 +401,10 @@ def _consumption(
     return out[0], out[1]
 
 
+def _whole_memory(card: Card, memory_unit_mib: int) -> int:
+    return card.memory_units(memory_unit_mib) * memory_unit_mib
+
+
 def grants(
     results: Sequence[AllocatedDevice],
     *,
@@ -396,6 +453,8 @@ def grants(
             prior = per_card.get(item.device)
             if prior is not None:  # the same card twice (two shares of it)
                 cores, memory = prior[1] + cores, prior[2] + memory
+            if used is not None and cores == 0 and memory == _whole_memory(card, memory_unit_mib):
+                cores = CORE_UNITS_PER_CARD  # asked nothing: the card whole
             per_card[item.device] = (card, min(cores, CORE_UNITS_PER_CARD), memory)
         if any(cores >= CORE_UNITS_PER_CARD for _, cores, _ in per_card.values()):
             if any(cores < CORE_UNITS_PER_CARD for _, cores, _ in per_card.values()):
@@ -565,3 +624,69 @@ def cdi_device_names(claim_uid: str, results: Sequence[AllocatedDevice]) -> list
             name, n = f"{base}-{n}", n + 1
         names.append(name)
     return names
+
+
+# ------------------------------------------------------------ claim users, claim status
+
+
+def claim_containers(pod: Any, claim_name: str, request: str) -> list[str]:
+    """The containers of `pod` (API JSON) that use request `request` of the
+    ResourceClaim named `claim_name`: through the pod's resourceClaims entry
+    that names it (resourceClaimName, or a template's generated claim as
+    status.resourceClaimStatuses records it), and each container's
+    resources.claims (the whole claim, or that request). Sorted; [] when the
+    pod says nothing about it."""
+    if not isinstance(pod, dict):
+        return []
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    local = {
+        str(e.get("name"))
+        for e in spec.get("resourceClaims") or []
+        if isinstance(e, dict) and e.get("resourceClaimName") == claim_name
+    }
+    local |= {
+        str(e.get("name"))
+        for e in status.get("resourceClaimStatuses") or []
+        if isinstance(e, dict) and e.get("resourceClaimName") == claim_name
+    }
+    out = set()
+    for kind in ("initContainers", "containers"):
+        for container in spec.get(kind) or []:
+            if not isinstance(container, dict):
+                continue
+            for use in (container.get("resources") or {}).get("claims") or []:
+                if (
+                    isinstance(use, dict)
+                    and use.get("name") in local
+                    and use.get("request") in (None, "", request)
+                ):
+                    out.add(str(container.get("name", "")))
+    return sorted(out)
+
+
+def device_status(
+    driver: str,
+    device: PreparedDevice,
+    card_uuid: str,
+    core_percent: int,
+    memory_mib: int,
+) -> dict[str, Any]:
+    """One entry of the claim's status.devices (DRAResourceClaimDeviceStatus):
+    the device, and in `data` the card and the limits the container got."""
+    whole = core_percent >= CORE_UNITS_PER_CARD
+    entry: dict[str, Any] = {
+        "driver": driver,
+        "pool": device.pool,
+        "device": device.device,
+        "data": {
+            "request": device.request,
+            "uuid": card_uuid,
+            "wholeCard": whole,
+            "coreLimitPercent": None if whole or core_percent == 0 else core_percent,
+            "memoryLimitMiB": None if whole or memory_mib == 0 else memory_mib,
+        },
+    }
+    if device.share_id is not None:
+        entry["shareID"] = device.share_id
+    return entry

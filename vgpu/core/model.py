@@ -48,6 +48,13 @@ class Card:
     numa_node: int | None = None
     healthy: bool = True
     xid: int | None = None  # last critical XID seen, when unhealthy because of one
+    # The host device nodes this card needs. None: NVIDIA's own (/dev/nvidia<minor>
+    # and the control nodes); a tuple: exactly these (the mock backend's list,
+    # empty for a card without nodes). Only nodes present on the host are named.
+    device_nodes: tuple[str, ...] | None = None
+    # Why the card is unhealthy other than by an XID (e.g. its device node is
+    # missing on the host); None when it is not, or only by an XID.
+    problem: str | None = None
 
     def memory_units(self, unit_mib: int) -> int:
         return self.memory_mib // unit_mib

@@ -26,8 +26,16 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from vgpu import __version__
+from vgpu.adapters.devnodes import HostDevices
 from vgpu.adapters.dra.cdi import CdiDir
-from vgpu.adapters.dra.kube import ClaimCache, ClaimSource, SlicePort, SlicePublisher
+from vgpu.adapters.dra.health import HealthServicer
+from vgpu.adapters.dra.kube import (
+    ClaimCache,
+    ClaimSource,
+    ClaimStatusWriter,
+    SlicePort,
+    SlicePublisher,
+)
 from vgpu.adapters.dra.plugin import (
     DraServicer,
     RegistrationServicer,
@@ -45,6 +53,7 @@ from vgpu.daemon.draservice import DraOptions, DraService
 from vgpu.daemon.wiring import (
     budget_watch,
     build_backend,
+    device_node_watch,
     hook_installer,
     run,
     usage_loop,
@@ -134,10 +143,15 @@ class DraDaemon:
             node_file=s.state_dir / "node.json",
             events=self._event,
         )
+        self.service.devices = HostDevices(s.host_dev_dir)
+        if claims is None:  # a real API server (tests inject their own ports)
+            self.service.users = ClaimStatusWriter(self.driver, s.kubeconfig)
         self.dra_socket = s.dra_plugin_dir() / "dra.sock"
         self.registration_socket = s.kubelet_registry_dir / f"{self.driver}-reg.sock"
         self.registration = RegistrationServicer(self.driver, self.dra_socket)
         self.servicer = DraServicer(self.service, self._on_call)
+        self.stopping = threading.Event()
+        self.health = HealthServicer(self.service, self.stopping)
         self.servers: list[UnixServer] = []
         self._threads: list[threading.Thread] = []
 
@@ -213,6 +227,7 @@ class DraDaemon:
         self._spawn("backend-watch", self._watch_backend)
         self._spawn("socket-watch", self._watch_sockets)
         self._spawn("usage", self._usage_loop)
+        self._spawn("device-nodes", device_node_watch, self.service.check_device_nodes, self.stop)
         self._spawn("budget-watch", budget_watch, self.service.store, self.stop, self._event)
 
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
@@ -225,7 +240,7 @@ class DraDaemon:
         for server in self.servers:
             server.stop(0)
         self.servers = [
-            dra_server(self.servicer, self.dra_socket),
+            dra_server(self.servicer, self.dra_socket, self.health),
             registration_server(self.registration, self.registration_socket),
         ]
         for server in self.servers:
@@ -255,6 +270,8 @@ class DraDaemon:
 
     def shutdown(self) -> None:
         self.stop.set()
+        self.stopping.set()
+        self.service.close()
         for server in self.servers:
             server.stop(0.2)
         if self.metrics is not None:

@@ -18,32 +18,44 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vgpu.adapters.devnodes import HostDevices
 from vgpu.adapters.dra.cdi import CdiDir, spec_document
-from vgpu.adapters.dra.kube import ClaimLookupError, ClaimSource, SlicePort
+from vgpu.adapters.dra.kube import ClaimLookupError, ClaimSource, ClaimUsers, SlicePort
 from vgpu.adapters.dra.plugin import Prepared
 from vgpu.adapters.dra.state import ClaimRecord, ClaimStore, sweep_temp_files
 from vgpu.adapters.fs import ContainerStore
 from vgpu.adapters.gpus import CardReading
 from vgpu.adapters.nodefile import node_document, write_node_file
-from vgpu.core.contract import ContainerEdits, container_edits, with_hook_injection
+from vgpu.core.contract import (
+    ContainerEdits,
+    card_node,
+    container_edits,
+    judge_nodes,
+    wanted_nodes,
+    with_hook_injection,
+)
 from vgpu.core.dra import (
     AllocatedDevice,
     ClaimRef,
     ClaimView,
+    DeviceHealthReport,
     Grant,
     PreparedDevice,
     allocation_signature,
     cdi_device_names,
+    claim_containers,
     claim_key,
     claim_view,
     device_name,
+    device_status,
     driver_name,
     grants,
+    health_reports,
     slice_devices,
 )
 from vgpu.core.errors import InvalidRequest, VgpuError
 from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
-from vgpu.core.model import Card, CardUuid, Placement
+from vgpu.core.model import Card, CardUuid, Owner, Placement
 from vgpu.daemon.service import install_or_refuse
 
 log = logging.getLogger("vgpu")
@@ -95,13 +107,23 @@ class DraService:
         self.hook_installer: Callable[[], Path] | None = None
         self._hook_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prepare")
+        # The host's device nodes (None: none checked, none named); set by the daemon.
+        self.devices: HostDevices | None = None
+        # The kubelet's health stream: a version bumped on every publish.
+        self._health = threading.Condition()
+        self._health_version = 0
+        self._health_since: dict[str, tuple[bool, int]] = {}
+        self._closed = False
+        # Pods (which containers use a claim) and claim status; None: neither.
+        self.users: ClaimUsers | None = None
+        self._status_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="claim-status")
 
     # ------------------------------------------------------------ cards
 
     def set_cards(self, cards: Sequence[Card]) -> None:
         with self._lock:
             before = self.cards
-            self.cards = {c.uuid: self.tracker.judge(c) for c in cards}
+            self.cards = {c.uuid: self._judge_nodes(self.tracker.judge(c)) for c in cards}
             for card in self.cards.values():
                 self._log_health(before.get(card.uuid), card)
             for uuid in set(before) - set(self.cards):
@@ -121,7 +143,27 @@ class DraService:
             self._log_health(card, updated)
             self._publish()
 
+    def _judge_nodes(self, card: Card) -> Card:
+        if self.devices is None:
+            return card
+        own = card_node(card)
+        return judge_nodes(card, self.devices.present([own] if own else []))
+
+    def check_device_nodes(self) -> None:
+        """Re-check every card's own device node (periodic); publish on change."""
+        with self._lock:
+            before = self.cards
+            after = {u: self._judge_nodes(c) for u, c in before.items()}
+            if all(after[u] is before[u] for u in before):
+                return
+            self.cards = after
+            for card in after.values():
+                self._log_health(before[card.uuid], card)
+            self._publish()
+
     def _log_health(self, before: Card | None, after: Card) -> None:
+        if before is None and after.problem:
+            log.error("card %s (%s) unhealthy: %s", after.uuid, device_name(after), after.problem)
         if before is None or before.healthy == after.healthy:
             return
         if after.healthy:
@@ -130,9 +172,14 @@ class DraService:
             )
             self.events("card_healthy", {"card": after.uuid})
         else:
-            why = f"XID {after.xid} ({describe_xid(after.xid)})" if after.xid else "unhealthy"
+            why = (
+                f"XID {after.xid} ({describe_xid(after.xid)})"
+                if after.xid
+                else after.problem or "unhealthy"
+            )
             log.error(
-                "card %s (%s) unhealthy: %s; it leaves the ResourceSlice; claims on it: %s",
+                "card %s (%s) unhealthy: %s; tainted NoSchedule in the ResourceSlice; claims "
+                "on it: %s",
                 after.uuid,
                 device_name(after),
                 why,
@@ -148,9 +195,46 @@ class DraService:
         ]
 
     def _publish(self) -> None:
-        devices = slice_devices(list(self.cards.values()), self.options.memory_unit_mib)
+        devices = slice_devices(
+            list(self.cards.values()),
+            self.options.memory_unit_mib,
+            taint_key=f"{self.options.driver}/unhealthy",
+        )
         self.slices.publish(devices)
         self._write_node_file()
+        now = int(self.clock())
+        with self._health:
+            self._health_since = {
+                uuid: (card.healthy, now)
+                if self._health_since.get(uuid, (None, 0))[0] != card.healthy
+                else self._health_since[uuid]
+                for uuid, card in self.cards.items()
+            }
+            self._health_version += 1
+            self._health.notify_all()
+
+    def health(self) -> tuple[int, list[DeviceHealthReport]]:
+        """(version, every card's health) for the kubelet's DRA health stream."""
+        with self._lock:
+            cards = list(self.cards.values())
+        with self._health:
+            since = {uuid: at for uuid, (_, at) in self._health_since.items()}
+            version = self._health_version
+        return version, health_reports(cards, self.options.node, since)
+
+    def wait_health(self, version: int, timeout_s: float) -> int:
+        """Block until the health changes from `version` (or the timeout, or close)."""
+        with self._health:
+            self._health.wait_for(
+                lambda: self._health_version != version or self._closed, timeout_s
+            )
+            return self._health_version
+
+    def close(self) -> None:
+        """Shutdown: every health stream ends at once."""
+        with self._health:
+            self._closed = True
+            self._health.notify_all()
 
     def set_readings(self, readings: dict[CardUuid, CardReading]) -> None:
         with self._lock:
@@ -213,6 +297,9 @@ class DraService:
     def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
         view = claim_view(self.claims.get(ref.namespace, ref.name, ref.uid))
         mine = [r for r in view.results if r.driver == self.options.driver]
+        pod = None
+        if self.users is not None and view.pods:
+            pod = self.users.pod(ref.namespace, view.pods[0][0])
         signature = allocation_signature(mine)
         with self._claim_lock(ref.uid):
             with self._lock:
@@ -239,13 +326,14 @@ class DraService:
                         )
             if any(not grant.whole for grant in given):
                 self.ensure_hook()
-            record = self._record(ref, view, mine, given, cards, signature)
+            record = self._record(ref, view, mine, given, cards, signature, pod)
             if known is not None:  # allocated anew under the same UID: drop the old files
                 self._remove_files(known, keep=record)
             self.records.write(record)  # first: a crash from here on leaves a record
             self._write_files(record)
             with self._lock:
                 self.prepared[ref.uid] = record
+        self._write_status(ref, record)
         for grant in given:
             log.info(
                 "prepared claim %s request %s for pod %s on %s: %s",
@@ -268,16 +356,23 @@ class DraService:
         given: list[Grant],
         cards: Mapping[str, Card],
         signature: str,
+        pod: dict[str, Any] | None = None,
     ) -> ClaimRecord:
         now = self.clock()
         placements: dict[str, Placement] = {}
         for grant in given:
+            owner = None
+            if view.pods:  # the pod (and its containers) that use the request, as in config.json
+                name, uid = view.pods[0]
+                containers = claim_containers(pod, ref.name, grant.request)
+                owner = Owner(ref.namespace, name, ",".join(containers), uid)
             placements[grant.request] = Placement(
                 key=claim_key(ref.uid, grant.request),
                 cards=tuple(c.uuid for c in grant.cards),
                 ids={},
                 core_percent=grant.core_percent,
                 memory_mib=grant.memory_mib,
+                owner=owner,
                 created_s=now,
             )
         hook = self.options.hook_path
@@ -286,14 +381,17 @@ class DraService:
         for result, name in zip(mine, cdi_device_names(ref.uid, mine), strict=True):
             placement = placements[result.request]
             paths = self.store.paths(placement.key)
+            card = cards[result.device]
+            nodes = wanted_nodes([card])
             edits[name] = with_hook_injection(
                 container_edits(
                     placement,
-                    [cards[result.device]],
+                    [card],
                     config_dir=str(paths.config_dir),
                     shared_dir=str(paths.shared_dir),
                     hook_path=str(hook) if hook is not None else None,
                     context_overhead_mib=self.options.context_overhead_mib,
+                    present_nodes=self.devices.present(nodes) if self.devices is not None else (),
                 ),
                 str(hook) if hook is not None else None,
                 self.options.hook_injection,
@@ -317,6 +415,29 @@ class DraService:
             cdi_spec=spec_document(self.cdi.kind, edits),
             created_s=now,
         )
+
+    def _write_status(self, ref: ClaimRef, record: ClaimRecord) -> None:
+        """The claim's status.devices (card UUID and granted limits in `data`),
+        written in the background: the kubelet does not wait for it."""
+        users = self.users
+        if users is None:
+            return
+        by_request = {p.key: p for p in record.placements}
+        with self._lock:
+            uuids = {device_name(c): c.uuid for c in self.cards.values()}
+        entries = []
+        for device in record.devices:
+            placement = by_request[claim_key(ref.uid, device.request)]
+            entries.append(
+                device_status(
+                    self.options.driver,
+                    device,
+                    uuids.get(device.device, ""),
+                    placement.core_percent,
+                    placement.memory_mib,
+                )
+            )
+        self._status_pool.submit(users.write, ref.namespace, ref.name, ref.uid, entries)
 
     def _write_files(self, record: ClaimRecord) -> None:
         for placement in record.placements:
@@ -365,6 +486,8 @@ class DraService:
                     del self.prepared[ref.uid]
                     self._claim_locks.pop(ref.uid, None)
             out[ref.uid] = ""
+            if self.users is not None:  # our status.devices entries go with the preparation
+                self._status_pool.submit(self.users.write, ref.namespace, ref.name, ref.uid, [])
             log.info("unprepared claim %s (%s)", record.claim.shown, ref.uid)
             self.events("unprepared", {"claim": ref.uid})
         return out

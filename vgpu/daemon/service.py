@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vgpu.adapters.delivery import Delivery, EnvvarDelivery
+from vgpu.adapters.devnodes import HostDevices
 from vgpu.adapters.fs import ContainerStore
 from vgpu.adapters.gpus import CardReading
 from vgpu.adapters.kube import NodePublisher, NoNodePublisher, PodSource
@@ -26,7 +28,13 @@ from vgpu.adapters.kubelet.servicer import (
 from vgpu.adapters.nodefile import node_document, write_node_file
 from vgpu.adapters.podresources import PodResourcesClient, PodResourcesUnavailable
 from vgpu.core.annotations import format_inventory, node_key, placements_key
-from vgpu.core.contract import container_edits, with_hook_injection
+from vgpu.core.contract import (
+    card_node,
+    container_edits,
+    judge_nodes,
+    wanted_nodes,
+    with_hook_injection,
+)
 from vgpu.core.errors import ApiUnavailable, InsufficientCapacity, StateUnwritable, state_error
 from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
 from vgpu.core.model import (
@@ -125,6 +133,10 @@ class PluginService:
         # (key, pods the kubelet listed) at the Allocate of an in-flight
         # container placed without pod information: see _blind_pairing().
         self._blind_pods: tuple[str, frozenset[tuple[str, str]]] | None = None
+        # The host's device nodes (None: none are checked, none named) and the
+        # device list strategy; the composition root sets both.
+        self.devices: HostDevices | None = None
+        self.delivery: Delivery = EnvvarDelivery()
 
     # ------------------------------------------------------------ cards
 
@@ -132,8 +144,28 @@ class PluginService:
         return resource.full_name(self.options.domain)
 
     def _judge(self, card: Card) -> Card:
-        """Apply the XID filter to a card as the backend reported it."""
-        return self.tracker.judge(card)
+        """Apply the XID filter and the device-node check to a card as the
+        backend reported it."""
+        return self._judge_nodes(self.tracker.judge(card))
+
+    def _judge_nodes(self, card: Card) -> Card:
+        if self.devices is None:
+            return card
+        own = card_node(card)
+        return judge_nodes(card, self.devices.present([own] if own else []))
+
+    def check_device_nodes(self) -> None:
+        """Re-check every card's own device node (periodic): a card whose node
+        went missing turns unhealthy with the reason, and back once it is there."""
+        with self._lock:
+            before = dict(self.ledger.cards)
+            after = [self._judge_nodes(c) for c in before.values()]
+            if all(a is before[a.uuid] for a in after):
+                return
+            self.ledger.set_cards(after)
+            for card in after:
+                self._log_health(before[card.uuid], card)
+            self._publish()
 
     def set_cards(self, cards: Sequence[Card]) -> None:
         with self._lock:
@@ -172,6 +204,8 @@ class PluginService:
         return f"containers still on it: {', '.join(names)}"
 
     def _log_health(self, before: Card | None, after: Card) -> None:
+        if before is None and after.problem:
+            log.error("card %s (index %d) unhealthy: %s", after.uuid, after.index, after.problem)
         if before is None or before.healthy == after.healthy:
             return
         if after.healthy:
@@ -183,7 +217,7 @@ class PluginService:
             why = (
                 f"XID {after.xid} ({describe_xid(after.xid)})"
                 if after.xid
-                else "reported unhealthy"
+                else after.problem or "reported unhealthy"
             )
             log.error(
                 "card %s (index %d) unhealthy: %s; nothing new is placed on it; %s",
@@ -584,17 +618,21 @@ class PluginService:
     def answer(self, placement: Placement) -> AllocationAnswer:
         paths = self.store.paths(placement.key)
         hook = self.options.hook_path
+        cards = [self.ledger.cards.get(c) for c in placement.cards]
+        nodes = wanted_nodes([c for c in cards if c is not None])
         edits = container_edits(
             placement,
-            [self.ledger.cards.get(c) for c in placement.cards],
+            cards,
             config_dir=str(paths.config_dir),
             shared_dir=str(paths.shared_dir),
             hook_path=str(hook) if hook is not None else None,
             context_overhead_mib=self.options.context_overhead_mib,
+            present_nodes=self.devices.present(nodes) if self.devices is not None else (),
         )
-        return with_hook_injection(
+        edits = with_hook_injection(
             edits, str(hook) if hook is not None else None, self.options.hook_injection
         )
+        return self.delivery.deliver(placement.key, edits, placement.cards)
 
     def prestart(self, resource: Resource, device_ids: Sequence[str]) -> None:
         """Re-create a container's config directory or budget file if it went
@@ -615,6 +653,7 @@ class PluginService:
         # A rename now (one syscall, under the lock: the same IDs, hence the
         # same key, may be placed again at once); the rmtree in the background.
         self.store.discard(key)
+        self.delivery.forget(key)
         log.info("released %s: %s", key, why)
         self.events("release", {"key": key})
 
@@ -678,6 +717,8 @@ class PluginService:
                 if key not in keep:
                     self.store.discard(key)
                     log.info("removed orphaned config directory %s", key)
+            for name in self.delivery.sweep(keep):
+                log.info("removed orphaned CDI spec %s", name)
         # Every live pod, not only those whose owner changed now: most owners
         # are known at Allocate already. _annotate skips what is up to date.
         for namespace, pod, _ in by_container:
@@ -799,6 +840,12 @@ class PluginService:
             # Every Allocate of the previous run either reached the kubelet or
             # failed: a recovered placement the kubelet does not list is dead.
             self.ledger.mark_settled(p.key for p in placements)
+            for placement in placements:
+                try:
+                    # Rewrites a CDI spec that a reboot took away (cdi_dir is often tmpfs).
+                    self.answer(placement)
+                except OSError as exc:
+                    log.warning("cannot hand %s over again: %s", placement.key, exc)
         log.info(
             "recovered %d placement(s) from %s (%d unreadable)",
             len(placements),

@@ -26,6 +26,9 @@ from typing import Any, Protocol
 
 from vgpu import __version__
 from vgpu.adapters import budget
+from vgpu.adapters.delivery import build_delivery
+from vgpu.adapters.devnodes import HostDevices
+from vgpu.adapters.dra.cdi import CdiDir
 from vgpu.adapters.fs import ContainerStore, PluginDirWatcher, install_hook
 from vgpu.adapters.gpus import BackendError, CardReading, GpuBackend, MockBackend
 from vgpu.adapters.kube import (
@@ -49,6 +52,7 @@ from vgpu.config import Settings
 from vgpu.core.errors import ConfigError, StateUnwritable
 from vgpu.core.health import HealthEvent
 from vgpu.core.model import Card, CardUuid, Resource
+from vgpu.daemon.guard import UnallocatedGuard
 from vgpu.daemon.lifecycle import stop_on_signals
 from vgpu.daemon.service import PluginService, ServiceOptions, install_or_refuse
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
@@ -61,6 +65,7 @@ USAGE_INTERVAL_S = 5.0
 BUDGET_CHECK_INTERVAL_S = 1.0  # how soon a grown budget file is cut back
 STATE_RETRY_S = 1.0
 STOP_TIMEOUT_S = 4.0
+DEVICE_NODE_CHECK_S = 5.0  # how soon a card whose device node vanished turns unhealthy
 
 
 def socket_name(resource: Resource) -> str:
@@ -153,6 +158,15 @@ def usage_loop(
             return
 
 
+def device_node_watch(check: Callable[[], None], stop: threading.Event) -> None:
+    """Re-check the cards' device nodes on the host every DEVICE_NODE_CHECK_S (both modes)."""
+    while not stop.wait(DEVICE_NODE_CHECK_S):
+        try:
+            check()
+        except Exception:
+            log.exception("checking the host's device nodes failed; will retry")
+
+
 class Lifecycle(Protocol):
     """What `run` drives: the device plugin's Daemon or the DRA driver's."""
 
@@ -200,6 +214,20 @@ class Daemon:
             node_file=settings.state_dir / "node.json",
             events=self._event,
             node_publisher=self.node_publisher,
+        )
+        self.service.devices = HostDevices(settings.host_dev_dir)
+        self.guard: UnallocatedGuard | None = None
+        if isinstance(self.pods, KubePodCache):
+            self.guard = UnallocatedGuard(
+                settings.resource_domain,
+                self.pods,
+                self.podresources,
+                self.pods,
+                settings.unallocated_policy,
+                self._event,
+            )
+        self.service.delivery = build_delivery(
+            settings.device_list_strategy, CdiDir(settings.cdi_dir, settings.resource_domain)
         )
         self.options = pb.DevicePluginOptions(
             pre_start_required=False, get_preferred_allocation_available=True
@@ -295,6 +323,10 @@ class Daemon:
         self._spawn("usage", self._usage_loop)
         self._spawn("budget-watch", self._budget_loop)
         self._spawn("state-retry", self._state_retry_loop)
+        self._spawn("device-nodes", self._device_node_loop)
+
+    def _device_node_loop(self) -> None:
+        device_node_watch(self.service.check_device_nodes, self.stop)
 
     def _install_hook(self) -> None:
         """Install the hook library; a disk that refuses does not stop start-up."""
@@ -406,6 +438,8 @@ class Daemon:
             self._reconcile_now.clear()
             try:
                 self.service.reconcile("pod finished or deleted" if woke else "periodic check")
+                if self.guard is not None:
+                    self.guard.check()
             except Exception:
                 log.exception("reconcile failed; will retry")
 

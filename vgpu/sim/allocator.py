@@ -21,8 +21,11 @@ What it follows (resource.k8s.io/v1, consumable capacity):
 * all of a claim's devices come from one node; candidates are tried in node
   and device-name order (first fit).
 
+* a device with a ``NoSchedule`` or ``NoExecute`` taint is not allocated
+  (DRADeviceTaints; tolerations are not modelled).
+
 Not modelled: ``firstAvailable``, ``allocationMode: All``, admin access,
-constraints, taints, counters, binding conditions.
+constraints, tolerations, counters, binding conditions.
 """
 
 from __future__ import annotations
@@ -271,6 +274,11 @@ class Allocator:
             for device in devices:
                 if taken == count:
                     break
+                if any(
+                    t.get("effect") in ("NoSchedule", "NoExecute")
+                    for t in device.data.get("taints") or []
+                ):
+                    continue
                 if not all(self.selectors.matches(e, device) for e in expressions):
                     continue
                 consumed = self._consume(device, wanted, used.get(device.key))

@@ -18,6 +18,10 @@ client to list, get, watch and patch Pods and Nodes against it:
   policies: default and max on min's step grid, min + step within the value)
 * ``POST /api/v1/namespaces/{ns}/pods/{name}/binding`` (what a scheduler, or a
   scheduler extender with a bind verb, calls to bind a pod to a node)
+* ``POST /api/v1/namespaces/{ns}/pods/{name}/eviction`` (policy/v1 Eviction: the
+  pod is deleted at once, no disruption budgets; :attr:`FakeApiServer.evictions`)
+* ``POST /api/v1/namespaces/{ns}/events`` (core/v1 Event, kept in
+  :meth:`FakeApiServer.events`)
 
 Resource versions come from one global, monotonically increasing counter.  Watch
 events are kept in a bounded history so that a watch can resume from a
@@ -535,6 +539,9 @@ class FakeApiServer:
         self._floor = _INITIAL_RV  # a watch may resume from any rv >= floor
         self._history: collections.deque[_Event] = collections.deque()
         self._store: dict[str, dict[tuple[str, str], JSON]] = {r: {} for r in _ALL_RESOURCES}
+        self._events: list[JSON] = []  # core/v1 Events posted (bounded)
+        self._events_seq = 0
+        self.evictions: list[tuple[str, str]] = []  # (namespace, pod) evicted
         self._down = False
         self._delay_s = 0.0
         self._stopping = threading.Event()
@@ -682,6 +689,59 @@ class FakeApiServer:
             status["phase"] = phase
 
         return self._update("pods", (namespace, name), mutate)
+
+    def events(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """The core/v1 Events posted so far (oldest first)."""
+        with self._cond:
+            return [
+                copy.deepcopy(e)
+                for e in self._events
+                if namespace is None or e["metadata"]["namespace"] == namespace
+            ]
+
+    def _record_event(self, namespace: str, body: bytes) -> JSON:
+        event = _json_body(body)
+        meta = event.get("metadata") or {}
+        involved = event.get("involvedObject") or {}
+        problems = []
+        if not meta.get("name") and not meta.get("generateName"):
+            problems.append("metadata.name: Required value")
+        if meta.get("namespace", namespace) != namespace:
+            problems.append("metadata.namespace: does not match the namespace of the request")
+        if not involved.get("kind") or not involved.get("name"):
+            problems.append("involvedObject: kind and name are required")
+        if involved.get("namespace", namespace) != namespace:
+            problems.append("involvedObject.namespace: does not match event.namespace")
+        if event.get("type") not in ("Normal", "Warning"):
+            problems.append("type: Unsupported value: must be Normal or Warning")
+        if not event.get("reason"):
+            problems.append("reason: Required value")
+        if problems:
+            raise _ApiError(422, f"Event is invalid: {'; '.join(problems)}")
+        with self._cond:
+            self._events_seq += 1
+            meta = {**meta, "namespace": namespace}
+            if not meta.get("name"):
+                meta["name"] = f"{meta['generateName']}{self._events_seq:05d}"
+            meta["uid"] = str(uuid.uuid4())
+            stored = {**event, "metadata": meta}
+            self._events.append(stored)
+            del self._events[:-1000]
+            return copy.deepcopy(stored)
+
+    def _evict(self, namespace: str, name: str, body: bytes) -> JSON:
+        eviction = _json_body(body)
+        if eviction.get("kind") not in (None, "Eviction"):
+            raise _ApiError(400, "the body must be a policy/v1 Eviction")
+        given = (eviction.get("metadata") or {}).get("name")
+        if given and given != name:
+            raise _ApiError(400, f"name in URL does not match name in Eviction object: {given}")
+        if self._get("pods", (namespace, name)) is None:
+            raise _ApiError(404, f'pods "{name}" not found', name=name, kind="pods")
+        self._delete("pods", (namespace, name))
+        with self._cond:
+            self.evictions.append((namespace, name))
+        return {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
 
     def delete_pod(self, namespace: str, name: str) -> None:
         """Remove a pod at once (emits DELETED); ``KeyError`` if it does not exist."""
@@ -1001,6 +1061,12 @@ class FakeApiServer:
             if method != "POST":
                 raise _ApiError(405, f"{method} is not supported on pods/binding")
             return 201, self._bind(namespace, rest[1], body)
+        if rest[0] == "pods" and len(rest) == 3 and rest[2] == "eviction" and namespace:
+            if method != "POST":
+                raise _ApiError(405, f"{method} is not supported on pods/eviction")
+            return 201, self._evict(namespace, rest[1], body)
+        if rest == ["events"] and namespace and method == "POST":
+            return 201, self._record_event(namespace, body)
         if resource not in _RESOURCES or len(rest) > 2:
             raise _ApiError(404, "the server could not find the requested resource")
         namespaced = _RESOURCES[resource][1]
@@ -1611,6 +1677,7 @@ def _check_slice(obj: JSON) -> None:
             set_types = [t for t in _ATTRIBUTE_TYPES if isinstance(value, dict) and t in value]
             if len(set_types) != 1:
                 problems.append(f"{where}.attributes[{key}]: exactly one value must be set")
+        problems += _taint_problems(where, device.get("taints"))
         for key, raw in capacity.items():
             try:
                 errors = CapacityRule.from_json(raw).errors()
@@ -1619,6 +1686,35 @@ def _check_slice(obj: JSON) -> None:
             problems += [f"{where}.capacity[{key}].requestPolicy: {e}" for e in errors]
     if problems:
         raise _ApiError(422, f"ResourceSlice is invalid: {'; '.join(problems)}")
+
+
+_TAINT_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+_TAINT_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def _taint_problems(where: str, taints: Any) -> list[str]:
+    """resource.k8s.io/v1 DeviceTaint: key (qualified name), value (label value),
+    effect NoSchedule, NoExecute or None; at most 16 per device."""
+    if taints is None:
+        return []
+    if not isinstance(taints, list) or len(taints) > 16:
+        return [f"{where}.taints: must be a list of at most 16 items"]
+    problems = []
+    for j, taint in enumerate(taints):
+        at = f"{where}.taints[{j}]"
+        if not isinstance(taint, dict) or set(taint) - {"key", "value", "effect", "timeAdded"}:
+            problems.append(f"{at}: only key, value, effect and timeAdded are allowed")
+            continue
+        if not _TAINT_KEY.match(str(taint.get("key", ""))):
+            problems.append(f"{at}.key: Invalid value: must be a qualified name")
+        if not _TAINT_VALUE.match(str(taint.get("value", ""))):
+            problems.append(f"{at}.value: Invalid value: must be a valid label value")
+        if taint.get("effect") not in ("NoSchedule", "NoExecute", "None"):
+            problems.append(f"{at}.effect: Unsupported value: {taint.get('effect')!r}")
+    return problems
 
 
 # --------------------------------------------------------------------------- helpers

@@ -214,7 +214,14 @@ class DraSimNode:
     def run_pod(self, name: str, claims: Sequence[str], namespace: str = "default") -> PodRun:
         """Create the pod, let the scheduler stand-in allocate and reserve its claims
         on this node, then have the kubelet prepare them in one call."""
-        pod = self.api.add_pod(make_pod(name, node=self.node, namespace=namespace))
+        body = make_pod(
+            name,
+            node=self.node,
+            namespace=namespace,
+            containers=[{"name": "main", "resources": {"claims": [{"name": c} for c in claims]}}],
+        )
+        body["spec"]["resourceClaims"] = [{"name": c, "resourceClaimName": c} for c in claims]
+        pod = self.api.add_pod(body)
         uid = pod["metadata"]["uid"]
         refs = []
         for claim in claims:

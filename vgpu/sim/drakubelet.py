@@ -12,6 +12,11 @@ Unix sockets (see vgpu/pb/dra_v1.proto and pluginregistration_v1.proto):
 * ``prepare`` / ``unprepare``: one ``NodePrepareResources`` /
   ``NodeUnprepareResources`` call to the registered endpoint with the claims of
   one pod, as the kubelet makes them (client-side latencies recorded).
+* Health (1.36): after a registration it opens the driver's
+  ``v1alpha1.DRAResourceHealth/NodeWatchResources`` stream and keeps the
+  latest health per device (``health``); an error (e.g. UNIMPLEMENTED) is
+  recorded in ``health_errors`` and the stream opened again ``health_retry_s``
+  later, as the kubelet does every 5 s.
 * ``restart``: a starting kubelet deletes every ResourceSlice of its node.
 * ``resolve``: what a CDI-enabled container runtime does with the CDI device
   IDs the kubelet hands it: find each device in the CDI spec directory and
@@ -36,6 +41,8 @@ import grpc
 
 from vgpu.pb import dra_v1_pb2 as pb
 from vgpu.pb import dra_v1_pb2_grpc as pb_grpc
+from vgpu.pb import drahealth_v1alpha1_pb2 as hpb
+from vgpu.pb import drahealth_v1alpha1_pb2_grpc as hpb_grpc
 from vgpu.pb import pluginregistration_v1_pb2 as reg
 from vgpu.pb import pluginregistration_v1_pb2_grpc as reg_grpc
 from vgpu.sim.apiserver import FakeApiServer
@@ -92,6 +99,13 @@ class DraKubelet:
         self._lock = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.health_retry_s = 5.0
+        # driver -> (pool, device) -> (HEALTHY/UNHEALTHY/UNKNOWN, message)
+        self.health: dict[str, dict[tuple[str, str], tuple[str, str]]] = {}
+        self.health_messages: dict[str, int] = {}
+        self.health_errors: list[str] = []
+        self._health_threads: dict[str, threading.Thread] = {}
+        self._health_calls: dict[str, Any] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -107,6 +121,11 @@ class DraKubelet:
             self._thread.join(2.0)
         for timer in list(self._wipes.values()):
             timer.cancel()
+        for call in list(self._health_calls.values()):
+            call.cancel()
+        for thread in list(self._health_threads.values()):
+            thread.join(2.0)
+        self._health_threads.clear()
         for channel in list(self._channels.values()):
             channel.close()
         self._channels.clear()
@@ -173,6 +192,44 @@ class DraKubelet:
             )
             self._registrations[info.name] = self._registrations.get(info.name, 0) + 1
             self._lock.notify_all()
+            running = self._health_threads.get(info.name)
+            if running is None or not running.is_alive():
+                thread = threading.Thread(
+                    target=self._watch_health, args=(info.name,), name="dra-health", daemon=True
+                )
+                self._health_threads[info.name] = thread
+                thread.start()
+
+    def _watch_health(self, driver: str) -> None:
+        """The kubelet's health stream on a registered driver, opened again after errors."""
+        while not self._stop.is_set():
+            with self._lock:
+                plugin = self.plugins.get(driver)
+            if plugin is None:
+                return
+            try:
+                with grpc.insecure_channel(f"unix://{plugin.endpoint}") as channel:
+                    stub = hpb_grpc.DRAResourceHealthStub(channel)  # type: ignore[no-untyped-call]
+                    call = stub.NodeWatchResources(hpb.NodeWatchResourcesRequest())
+                    self._health_calls[driver] = call
+                    for message in call:
+                        devices = {
+                            (d.device.pool_name, d.device.device_name): (
+                                hpb.HealthStatus.Name(d.health),
+                                d.message,
+                            )
+                            for d in message.devices
+                        }
+                        with self._lock:
+                            self.health[driver] = devices
+                            self.health_messages[driver] = self.health_messages.get(driver, 0) + 1
+                            self._lock.notify_all()
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    self.health_errors.append(f"{driver}: {exc.code().name}")
+            finally:
+                self._health_calls.pop(driver, None)
+            self._stop.wait(self.health_retry_s)
 
     def _check(self, info: reg.PluginInfo) -> str:
         if info.type != PLUGIN_TYPE:

@@ -796,6 +796,22 @@ class KubeletSimulator:
                     self._bump()
             return admission
 
+    def admit_without_plugin(self, pod: SimPod) -> Admission:
+        """Admit ``pod`` with no plugin call at all, as the real kubelet does for a pod
+        asking an extended resource whose plugin has not registered with it yet while
+        the Node still shows capacity (seen on a re-created node): no Allocate, no env,
+        no mounts. Pod-resources lists its containers holding no device."""
+        with self._admit_lock, self._lock:
+            if pod.uid in self._pods:
+                raise ValueError(f"pod {pod.namespace}/{pod.name} ({pod.uid}) already admitted")
+            self._pods[pod.uid] = _PodState(pod)
+            self._bump()
+        return Admission(
+            pod=pod,
+            ok=True,
+            containers=[ContainerResult(name=c.name) for c in pod.containers],
+        )
+
     def _order(
         self, requests: Mapping[str, int], resource_order: Sequence[str] | None
     ) -> list[str]:

@@ -245,6 +245,90 @@ class ClaimCache:
         return dict(obj)
 
 
+# ---------------------------------------------------- claim users and status
+
+
+class ClaimUsers(Protocol):
+    def pod(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def write(self, namespace: str, name: str, uid: str, entries: list[dict[str, Any]]) -> bool: ...
+
+
+class ClaimStatusWriter:
+    """Reads a claim's pod (which containers use it) and writes the claim's
+    status.devices entries of this driver (read, replace ours, write back with
+    the resourceVersion read: other drivers' entries are kept)."""
+
+    def __init__(
+        self, driver: str, kubeconfig: Path | None, timeout_s: float = 5.0, client: Any = None
+    ) -> None:
+        self.driver = driver
+        self.kubeconfig = kubeconfig
+        self.timeout_s = timeout_s
+        self._client = client
+        self._lock = threading.Lock()
+
+    def _api(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                self._client = api_client(self.kubeconfig)
+            return self._client
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod's API JSON, None when it cannot be read (logged)."""
+        from kubernetes import client
+
+        try:
+            return dict(
+                _read_json(
+                    client.CoreV1Api(self._api()).read_namespaced_pod(
+                        name, namespace, _preload_content=False, _request_timeout=self.timeout_s
+                    )
+                )
+            )
+        except Exception as exc:
+            log.warning("cannot read pod %s/%s: %s", namespace, name, str(exc)[:200])
+            return None
+
+    def write(self, namespace: str, name: str, uid: str, entries: list[dict[str, Any]]) -> bool:
+        """Make this driver's entries of the claim's status.devices `entries`."""
+        from kubernetes import client
+
+        api = client.ResourceV1Api(self._api())
+        for _ in range(3):
+            try:
+                obj = _read_json(
+                    api.read_namespaced_resource_claim(
+                        name, namespace, _preload_content=False, _request_timeout=self.timeout_s
+                    )
+                )
+                if str((obj.get("metadata") or {}).get("uid", "")) != uid:
+                    return False  # deleted and re-created: not ours to write
+                status = obj.get("status") or {}
+                others = [d for d in status.get("devices") or [] if d.get("driver") != self.driver]
+                if others + entries == (status.get("devices") or []):
+                    return True
+                status["devices"] = others + entries
+                obj["status"] = status
+                api.replace_namespaced_resource_claim_status(
+                    name, namespace, obj, _preload_content=False, _request_timeout=self.timeout_s
+                )
+                return True
+            except Exception as exc:
+                if _status_of(exc) == 409:
+                    continue  # changed meanwhile: read again
+                if _status_of(exc) == 404:
+                    return False  # the claim is gone: nothing to write
+                log.warning(
+                    "cannot write the device status of claim %s/%s: %s",
+                    namespace,
+                    name,
+                    str(exc)[:200],
+                )
+                return False
+        return False
+
+
 # --------------------------------------------------------------------- slices
 
 

@@ -170,9 +170,16 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
         return reg.RegistrationStatusResponse()
 
 
-def dra_server(servicer: DraServicer, socket_path: Path) -> UnixServer:
+def dra_server(servicer: DraServicer, socket_path: Path, health: Any | None = None) -> UnixServer:
+    """The DRA socket: DRAPlugin, and the health stream when `health` is given
+    (a DRAResourceHealthServicer)."""
+
     def add(server: grpc.Server) -> None:
         pb_grpc.add_DRAPluginServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+        if health is not None:
+            from vgpu.pb import drahealth_v1alpha1_pb2_grpc as hpb_grpc
+
+            hpb_grpc.add_DRAResourceHealthServicer_to_server(health, server)  # type: ignore[no-untyped-call]
 
     return UnixServer(socket_path, add, "grpc-dra")
 

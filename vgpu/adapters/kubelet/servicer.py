@@ -290,6 +290,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                         host_path=d.host_path,
                         permissions=d.permissions,
                     )
+                for name in answer.cdi_devices:
+                    resp.cdi_devices.add(name=name)
             return out
 
         return self._guard("Allocate", context, run)
