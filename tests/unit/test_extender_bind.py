@@ -155,4 +155,3 @@ def test_concurrent_binds_never_overcommit_a_card(
     assert all(v <= 100 for v in used.values()), used
     # Exactly the successful binds are still assumed (until the cache sees them bound).
     assert svc.counts()["assumed"] == len(ok)
-

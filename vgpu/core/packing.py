@@ -50,7 +50,13 @@ from vgpu.core.model import (
     Request,
     Resource,
 )
-from vgpu.core.slicing import card_device_ids, parse_device_id
+from vgpu.core.slicing import (
+    card_device_ids,
+    card_digest,
+    format_device_id,
+    parse_device_id,
+    units_per_card,
+)
 
 __all__ = ["RECONCILE_GRACE_S", "CardUsage", "Ledger", "placement_key"]
 
@@ -109,6 +115,11 @@ class Ledger:
         self._holders: dict[DeviceId, set[str]] = {}
         self._held: dict[tuple[CardUuid, Resource], set[DeviceId]] = {}
         self._card_keys: dict[CardUuid, set[str]] = {}
+        # Slices held under their legacy ID (the format before issue 19):
+        # short ID -> the legacy ID. They are advertised under the legacy ID
+        # until released, so the kubelet never sees one slice twice.
+        self._legacy: dict[DeviceId, DeviceId] = {}
+        self.legacy_version = 0  # bumped whenever _legacy changes
         self.set_cards(cards)
         self._pending: _Pending | None = None
         # (pod uid, resource) of a reuse that came before its container's first call.
@@ -132,11 +143,41 @@ class Ledger:
         }
 
     def lookup(self, device_id: str) -> tuple[CardUuid, Resource, int] | None:
-        """(card, resource, index) of an advertised ID, None for anything else."""
-        return self._index.get(device_id)
+        """(card, resource, index) of a slice of a present card, by its short ID or
+        its legacy ID (the format before issue 19); None for anything else."""
+        found = self._index.get(device_id)
+        if found is not None or "." in device_id:
+            return found
+        try:
+            ref = parse_device_id(device_id)
+        except UnknownDevice:
+            return None
+        card = self.cards.get(ref.card_uuid) if ref.card_uuid is not None else None
+        if card is None or ref.index >= units_per_card(card, ref.resource, self.memory_unit_mib):
+            return None
+        return card.uuid, ref.resource, ref.index
+
+    def slot(self, device_id: str) -> DeviceId:
+        """The short ID of the slice a device ID names: one key per slice, whichever
+        form the kubelet recorded it under (the ID itself when it names no slice)."""
+        if device_id in self._index or "." in device_id:
+            return DeviceId(device_id)
+        found = self.lookup(device_id)
+        if found is None:
+            return DeviceId(device_id)
+        return format_device_id(self.cards[found[0]], found[1], found[2])
+
+    def advertised(self, card: Card, resource: Resource) -> list[DeviceId]:
+        """The IDs to advertise for one card: short IDs, except for slices a
+        container holds under a legacy ID, advertised under that ID until released
+        (the kubelet re-admits a running pod only if its recorded IDs are listed)."""
+        ids = card_device_ids(card, resource, self.memory_unit_mib)
+        if not self._legacy:
+            return ids
+        return [self._legacy.get(d, d) for d in ids]
 
     def holders_of(self, device_id: DeviceId) -> frozenset[str]:
-        return frozenset(self._holders.get(device_id, ()))
+        return frozenset(self._holders.get(self.slot(device_id), ()))
 
     def held_ids(self) -> frozenset[DeviceId]:
         return frozenset(self._holders)
@@ -168,9 +209,13 @@ class Ledger:
         for card in placement.cards:
             self._card_keys.setdefault(card, set()).add(placement.key)
         for device_id in placement.all_ids():
-            self._holders.setdefault(device_id, set()).add(placement.key)
-            card, resource, _ = parse_device_id(device_id)
-            self._held.setdefault((card, resource), set()).add(device_id)
+            slot = self.slot(device_id)
+            self._holders.setdefault(slot, set()).add(placement.key)
+            card, resource = self._card_of(device_id, placement)
+            self._held.setdefault((card, resource), set()).add(slot)
+            if slot != device_id:
+                self._legacy[slot] = device_id
+                self.legacy_version += 1
 
     def release(self, key: str) -> Placement | None:
         placement = self.placements.pop(key, None)
@@ -179,17 +224,38 @@ class Ledger:
         for card in placement.cards:
             self._card_keys.get(card, set()).discard(key)
         for device_id in placement.all_ids():
-            holders = self._holders.get(device_id)
+            slot = self.slot(device_id)
+            holders = self._holders.get(slot)
             if holders is not None:
                 holders.discard(key)
                 if not holders:
-                    del self._holders[device_id]
-                    card, resource, _ = parse_device_id(device_id)
-                    self._held.get((card, resource), set()).discard(device_id)
+                    del self._holders[slot]
+                    card, resource = self._card_of(device_id, placement)
+                    self._held.get((card, resource), set()).discard(slot)
+                    if self._legacy.get(slot) == device_id:
+                        del self._legacy[slot]
+                        self.legacy_version += 1
         if self._pending is not None and self._pending.key == key:
             self._pending = None
         self._settled.discard(key)
         return placement
+
+    def _card_of(self, device_id: str, placement: Placement) -> tuple[CardUuid, Resource]:
+        """The card and resource of one of a placement's IDs, also for a card
+        no longer present (matched among the placement's own cards)."""
+        found = self.lookup(device_id)
+        if found is not None:
+            return found[0], found[1]
+        ref = parse_device_id(device_id)
+        for uuid in placement.cards:
+            seen = self._seen.get(uuid)
+            if ref.card_uuid == uuid or (
+                ref.card_uuid is None
+                and ref.card_digest == card_digest(uuid)
+                and (seen is None or seen.index == ref.card_index)
+            ):
+                return uuid, ref.resource
+        return (placement.cards[0] if placement.cards else CardUuid("?")), ref.resource
 
     def is_settled(self, key: str) -> bool:
         """Has the kubelet listed this placement (or did an earlier run record it)?"""
@@ -199,7 +265,7 @@ class Ledger:
         """Keys of the placements holding any of these IDs, oldest first."""
         keys: set[str] = set()
         for device_id in ids:
-            keys |= self._holders.get(DeviceId(device_id), set())
+            keys |= self._holders.get(self.slot(device_id), set())
         return sorted(keys, key=lambda k: (self.placements[k].created_s, k))
 
     def mark_settled(self, keys: Iterable[str]) -> None:
@@ -258,7 +324,7 @@ class Ledger:
         """IDs the kubelet offers as free are not held by any live container."""
         dead = set()
         for device_id in available:
-            dead |= self._holders.get(device_id, set())
+            dead |= self._holders.get(self.slot(device_id), set())
         released = []
         for key in dead:
             placement = self.placements.get(key)
@@ -349,9 +415,10 @@ class Ledger:
         chosen = list(dict.fromkeys(must_include))
         taken = set(chosen)
         order = {c: i for i, c in enumerate(cards)}
+        where = {d: self.lookup(d) for d in available if d not in taken}
         ranked = sorted(
-            (d for d in available if d not in taken and self._index[d][0] in order),
-            key=lambda d: (order[self._index[d][0]], self._index[d][2]),
+            (d for d, f in where.items() if f is not None and f[0] in order),
+            key=lambda d: (order[where[d][0]], where[d][2]),  # type: ignore[index]
         )
         for device_id in ranked:
             if len(chosen) >= size:
@@ -386,7 +453,7 @@ class Ledger:
             return must[:size], released
         offered: dict[CardUuid, int] = {}
         for device_id in avail:
-            card = self._index[device_id][0]
+            card = self._card_uuid(device_id)
             offered[card] = offered.get(card, 0) + 1
 
         spec = self._match(resource, size, candidates)
@@ -425,7 +492,7 @@ class Ledger:
             self._validate_partial(request)
         assigned: tuple[CardUuid, ...] | None = None
         if must:
-            cards = tuple(dict.fromkeys(self._index[d][0] for d in must))
+            cards = tuple(dict.fromkeys(self._card_uuid(d) for d in must))
         elif spec is not None and spec.assigned is not None:
             cards = assigned = self._assigned(spec)
         elif request.whole_cards:
@@ -642,7 +709,7 @@ class Ledger:
         """The advertised IDs of `resource` among `ids` (others are ignored)."""
         out = []
         for raw in ids:
-            found = self._index.get(raw)
+            found = self.lookup(raw)
             if found is not None and found[1] is resource:
                 out.append(DeviceId(raw))
         return out
@@ -655,18 +722,22 @@ class Ledger:
         unknown: list[str] = []
         other: list[str] = []
         for raw in ids:
-            found = self._index.get(raw)
+            found = self.lookup(raw)
             if found is None:
                 unknown.append(raw)
             elif found[1] is not resource:
                 other.append(raw)
         for raw in unknown:
             try:
-                card = parse_device_id(raw)[0]
+                ref = parse_device_id(raw)
             except UnknownDevice:
                 continue
-            gone = self._seen.get(card)
-            if gone is not None and card not in self.cards:
+            gone = next(
+                (c for c in self._seen.values() if c.uuid not in self.cards and ref.names(c)),
+                None,
+            )
+            if gone is not None:
+                card = gone.uuid
                 raise UnknownCard(
                     f"{what} names card {card} (index {gone.index}), which is no longer on "
                     "this node (it disappeared from the GPU backend); nothing is placed on it. "
@@ -728,9 +799,7 @@ class Ledger:
                 self._note_reuse(resource, held)
                 return held
 
-        cards = tuple(
-            sorted({parse_device_id(d)[0] for d in ids}, key=lambda c: self.cards[c].index)
-        )
+        cards = tuple(sorted({self._card_uuid(d) for d in ids}, key=lambda c: self.cards[c].index))
         joins = (
             pending is not None
             and resource not in pending.allocated
@@ -847,6 +916,12 @@ class Ledger:
                 allocated={resource},
             )
         return placement
+
+    def _card_uuid(self, device_id: str) -> CardUuid:
+        """The card of an ID already checked to be a present card's slice."""
+        found = self.lookup(device_id)
+        assert found is not None, device_id
+        return found[0]
 
     def _fresh_key(self, ids: frozenset[DeviceId]) -> str:
         """The key of a new placement: from its IDs, made unique if a placement

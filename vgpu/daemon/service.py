@@ -41,7 +41,6 @@ from vgpu.core.model import (
 )
 from vgpu.core.packing import Ledger, placement_key
 from vgpu.core.reuse import Holder, KubeletListing, judge_holder
-from vgpu.core.slicing import card_device_ids
 
 log = logging.getLogger("vgpu")
 
@@ -124,6 +123,13 @@ class PluginService:
         # (key, pods the kubelet listed) at the Allocate of an in-flight
         # container placed without pod information: see _blind_pairing().
         self._blind_pods: tuple[str, frozenset[tuple[str, str]]] | None = None
+        self._legacy_published = 0  # ledger.legacy_version the device lists show
+
+    def _republish_if_legacy_changed(self) -> None:
+        """A slice held under a legacy ID was released (or one arrived): the
+        advertised lists switch that slice's ID. Called under the lock."""
+        if self.ledger.legacy_version != self._legacy_published:
+            self._publish()
 
     # ------------------------------------------------------------ cards
 
@@ -195,12 +201,13 @@ class PluginService:
 
     def _publish(self) -> None:
         """Rebuild the advertised lists (only on change) and wake ListAndWatch."""
+        self._legacy_published = self.ledger.legacy_version
         views: dict[Resource, tuple[DeviceView, ...]] = {}
         for resource in Resource:
             views[resource] = tuple(
                 DeviceView(device_id, card.healthy, card.numa_node)
                 for card in sorted(self.ledger.cards.values(), key=lambda c: c.index)
-                for device_id in card_device_ids(card, resource, self.options.memory_unit_mib)
+                for device_id in self.ledger.advertised(card, resource)
             )
         with self._dev_cond:
             self._views = views
@@ -401,6 +408,7 @@ class PluginService:
                     f"{self.resource_name(resource)} x{len(device_ids)}",
                 )
                 self.events("placement", {"key": placement.key, "resource": resource.value})
+            self._republish_if_legacy_changed()
             answer = self.answer(placement)
             # A container placed without pod information, at its first resource.
             blind_key = self.ledger.blind_pending_key()
@@ -613,6 +621,7 @@ class PluginService:
         self.store.discard(key)
         log.info("released %s: %s", key, why)
         self.events("release", {"key": key})
+        self._republish_if_legacy_changed()
 
     def _schedule_owner_sync(self) -> None:
         if self.podresources is None or self._closed:
@@ -669,6 +678,7 @@ class PluginService:
                 self._forget(placement.key, f"no live container holds it ({reason})")
             for (namespace, pod, container), held in by_container.items():
                 self._adopt_or_name(namespace, pod, container, held, annotate)
+            self._republish_if_legacy_changed()
             keep = set(self.ledger.placements)
             for key in self.store.record_keys():
                 if key not in keep:
@@ -795,6 +805,7 @@ class PluginService:
             # Every Allocate of the previous run either reached the kubelet or
             # failed: a recovered placement the kubelet does not list is dead.
             self.ledger.mark_settled(p.key for p in placements)
+            self._republish_if_legacy_changed()
         log.info(
             "recovered %d placement(s) from %s (%d unreadable)",
             len(placements),
