@@ -622,6 +622,17 @@ class Ledger:
             if placement.owner is None:
                 self.placements[pending.key] = replace(placement, owner=spec.owner())
 
+    def awaits_more(self, key: str) -> bool:
+        """Is `key` the in-flight container whose pod asks another resource still
+        to be allocated? (Known from its pod spec; never assumed without one.)"""
+        pending = self._pending
+        return (
+            pending is not None
+            and pending.key == key
+            and pending.expected is not None
+            and not pending.expected <= pending.allocated
+        )
+
     def blind_pending_key(self) -> str | None:
         """The in-flight placement made without pod information, if any."""
         pending = self._pending

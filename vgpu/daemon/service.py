@@ -26,7 +26,7 @@ from vgpu.adapters.kubelet.servicer import (
 from vgpu.adapters.nodefile import node_document, write_node_file
 from vgpu.adapters.podresources import PodResourcesClient, PodResourcesUnavailable
 from vgpu.core.annotations import format_inventory, node_key, placements_key
-from vgpu.core.contract import container_edits
+from vgpu.core.contract import ContainerEdits, container_edits
 from vgpu.core.errors import ApiUnavailable, InsufficientCapacity, StateUnwritable, state_error
 from vgpu.core.health import HealthEvent, HealthTracker, describe_xid
 from vgpu.core.model import (
@@ -45,7 +45,8 @@ from vgpu.core.reuse import Holder, KubeletListing, judge_holder
 log = logging.getLogger("vgpu")
 
 OWNER_SYNC_DELAY_S = 0.3
-ANNOTATE_RETRY_S = 30.0  # re-queue a pod annotation the cache does not show after this
+ANNOTATE_RETRY_S = 30.0
+EMPTY_ANSWER = ContainerEdits(envs={})  # re-queue a pod annotation the cache does not show after this
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,8 @@ class PluginService:
         # container placed without pod information: see _blind_pairing().
         self._blind_pods: tuple[str, frozenset[tuple[str, str]]] | None = None
         self._legacy_published = 0  # ledger.legacy_version the device lists show
+        # (key, resource, answer) of the last Allocate: see _deduplicated().
+        self._last_answer: tuple[str, Resource, AllocationAnswer] | None = None
 
     def _republish_if_legacy_changed(self) -> None:
         """A slice held under a legacy ID was released (or one arrived): the
@@ -391,7 +394,9 @@ class PluginService:
                     self._ensure_hook(placement)
                     if placement.key not in known:
                         self._clear_directory(placement.key)
-                    self._write(placement)
+                    # One durable write per container: the record written for
+                    # its first resource is replaced at its second (same key).
+                    self._write(placement, durable=not self.ledger.awaits_more(placement.key))
                 except StateUnwritable:
                     self.ledger.release(placement.key)
                     if placement.key in known:
@@ -409,7 +414,7 @@ class PluginService:
                 )
                 self.events("placement", {"key": placement.key, "resource": resource.value})
             self._republish_if_legacy_changed()
-            answer = self.answer(placement)
+            answer = self._deduplicated(placement.key, resource, self.answer(placement))
             # A container placed without pod information, at its first resource.
             blind_key = self.ledger.blind_pending_key()
             first = blind_key == placement.key and len(placement.ids) == 1
@@ -417,6 +422,20 @@ class PluginService:
             pods = self._listed_pods()
             self._blind_pods = (blind_key, pods) if pods is not None else None
         self._schedule_owner_sync()
+        return answer
+
+    def _deduplicated(
+        self, key: str, resource: Resource, answer: AllocationAnswer
+    ) -> AllocationAnswer:
+        """The answer for a container's second resource is empty when the first
+        resource's answer already said exactly this: the kubelet merges the
+        answers of a container's resources (so the container gets the same
+        contract) and saves each in its checkpoint (so it stays half as big).
+        Called under the lock."""
+        last = self._last_answer
+        self._last_answer = (key, resource, answer)
+        if last is not None and last[0] == key and last[1] is not resource and last[2] == answer:
+            return EMPTY_ANSWER
         return answer
 
     def _listed_pods(self) -> frozenset[tuple[str, str]] | None:
@@ -509,10 +528,10 @@ class PluginService:
             self._note_state(error)
             raise error from failed
 
-    def _write(self, placement: Placement) -> None:
+    def _write(self, placement: Placement, durable: bool = True) -> None:
         """Write a placement's record; a named StateUnwritable when the disk refuses."""
         try:
-            self.store.write(placement)
+            self.store.write(placement, durable=durable)
         except OSError as exc:
             error = state_error(
                 exc.errno,
