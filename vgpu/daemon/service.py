@@ -46,7 +46,9 @@ log = logging.getLogger("vgpu")
 
 OWNER_SYNC_DELAY_S = 0.3
 ANNOTATE_RETRY_S = 30.0
-EMPTY_ANSWER = ContainerEdits(envs={})  # re-queue a pod annotation the cache does not show after this
+EMPTY_ANSWER = ContainerEdits(
+    envs={}
+)  # re-queue a pod annotation the cache does not show after this
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ class PluginService:
         self._blind_pods: tuple[str, frozenset[tuple[str, str]]] | None = None
         self._legacy_published = 0  # ledger.legacy_version the device lists show
         # (key, resource, answer) of the last Allocate: see _deduplicated().
-        self._last_answer: tuple[str, Resource, AllocationAnswer] | None = None
+        self._last_answer: tuple[str, frozenset[Resource], AllocationAnswer] | None = None
 
     def _republish_if_legacy_changed(self) -> None:
         """A slice held under a legacy ID was released (or one arrived): the
@@ -433,9 +435,11 @@ class PluginService:
         contract) and saves each in its checkpoint (so it stays half as big).
         Called under the lock."""
         last = self._last_answer
-        self._last_answer = (key, resource, answer)
-        if last is not None and last[0] == key and last[1] is not resource and last[2] == answer:
+        if last is not None and last[0] == key and resource not in last[1] and last[2] == answer:
+            self._last_answer = (key, last[1] | {resource}, answer)
             return EMPTY_ANSWER
+        # A new container (also one reusing its init container's placement).
+        self._last_answer = (key, frozenset({resource}), answer)
         return answer
 
     def _listed_pods(self) -> frozenset[tuple[str, str]] | None:
