@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import admission, dra, extender, footprint, hooks, packing, scale
+from bench import admission, dra, extender, fastpath, footprint, hooks, packing, scale
 from bench.common import Json, machine
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
@@ -32,6 +32,9 @@ class Plan:
     extender_nodes: int = 1000
     extender_slices: int = 20000
     extender_pods: int = 400
+    fast_admissions: int = 200
+    fast_nodes: int = 200
+    fast_pods: int = 1000
 
 
 FULL = Plan(
@@ -47,6 +50,9 @@ QUICK = Plan(
     extender_nodes=100,
     extender_slices=2000,
     extender_pods=100,
+    fast_admissions=40,
+    fast_nodes=20,
+    fast_pods=100,
 )
 
 
@@ -61,6 +67,7 @@ def sections(plan: Plan) -> dict[str, Callable[[], Json]]:
         "extender": lambda: extender.run(
             plan.extender_nodes, plan.extender_slices, plan.extender_pods
         ),
+        "fastpath": lambda: fastpath.run(plan.fast_admissions, plan.fast_nodes, plan.fast_pods),
     }
 
 
@@ -185,6 +192,48 @@ def _rows_extender(r: Json) -> list[list[str]]:
     return rows
 
 
+def _rows_fastpath(r: Json) -> list[list[str]]:
+    n, c, law, e = r["node"], r["checkpoint"], r["listandwatch"], r["extender"]
+    rows = [["", "vgpu", "baseline", "ratio"]]
+    for key in ("first", "p50", "p99"):
+        rows.append(
+            [
+                f"pod admission {key} (ms)",
+                f"{n['vgpu'][f'{key}_ms']:.2f}",
+                f"{n['null'][f'{key}_ms']:.2f}",
+                f"{n['ratios'][key]}",
+            ]
+        )
+    for shape in c["shapes"]:
+        rows.append(
+            [
+                f"checkpoint B, {shape['gpus']}",
+                str(shape["bytes"]),
+                str(shape["legacy_bytes"]),
+                str(shape["ratio"]),
+            ]
+        )
+    for row in law["memory"]:
+        rows.append(
+            [
+                f"ListAndWatch B, 16xH200 {row['unit_mib']} MiB",
+                str(row["bytes"]),
+                str(row["legacy_bytes"]),
+                str(round(row["bytes"] / row["legacy_bytes"], 3)),
+            ]
+        )
+    rows.append(
+        [
+            f"pods/s, {e['nodes']} nodes, {e['pods']} pods",
+            str(e["vgpu"]["pods_per_s"]),
+            str(e["baseline"]["pods_per_s"]),
+            str(e["ratio"]),
+        ]
+    )
+    rows.append([f"{e['burst']['pods']}-pod burst (s)", str(e["burst"]["seconds"]), "", ""])
+    return rows
+
+
 ROWS: dict[str, Callable[[Json], list[list[str]]]] = {
     "admission": _rows_admission,
     "scale": _rows_scale,
@@ -193,6 +242,7 @@ ROWS: dict[str, Callable[[Json], list[list[str]]]] = {
     "hooks": _rows_hooks,
     "dra": _rows_dra,
     "extender": _rows_extender,
+    "fastpath": _rows_fastpath,
 }
 
 

@@ -20,11 +20,13 @@
 from __future__ import annotations
 
 import http.client
+import json
 import random
 import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -137,7 +139,7 @@ def _legacy_equivalent(payload: bytes, gpus: str) -> bytes:
             return device_id
         return format_legacy_device_id(cards[ref.card_index].uuid, ref.resource, ref.index)
 
-    full = {}
+    full: dict[tuple[str, str], bytes] = {}
     for e in entries:
         if e.alloc_resp:
             full.setdefault((e.pod_uid, e.container), e.alloc_resp)
@@ -155,7 +157,7 @@ def _legacy_equivalent(payload: bytes, gpus: str) -> bytes:
 
 
 def checkpoint_sizes(pods: int = LIVE) -> Json:
-    shapes = []
+    shapes: list[dict[str, Any]] = []
     for gpus in ("preset:2xH200", "preset:16xH200"):
         sim = SimNode(gpus=gpus, node="ckpt-node")
         try:
@@ -187,8 +189,8 @@ def checkpoint_sizes(pods: int = LIVE) -> Json:
         "shapes": shapes,
         "targets": [
             Target(
-                f"checkpoint size vs before, {s['gpus'].split(':')[1]}",
-                s["ratio"],
+                f"checkpoint size vs before, {str(s['gpus']).split(':')[1]}",
+                float(s["ratio"]),
                 round(CHECKPOINT_LIMIT, 3),
                 "x",
             ).to_json()
@@ -274,6 +276,21 @@ def _run_stream(
     return time.perf_counter() - t0, scheduler.stats.bound - before
 
 
+def _overcommitted(pods: list[dict[str, Any]]) -> int:
+    """Cards whose assigned core or memory exceeds the card (from the assignments)."""
+    core: dict[str, int] = {}
+    mem: dict[str, int] = {}
+    for pod in pods:
+        text = (pod["metadata"].get("annotations") or {}).get(f"{DOMAIN}/vgpu-assignment")
+        if not text:
+            continue
+        limits = pod["spec"]["containers"][0]["resources"]["limits"]
+        for card in json.loads(text)["containers"]["main"]:
+            core[card] = core.get(card, 0) + int(limits[CORE])
+            mem[card] = mem.get(card, 0) + int(limits[MEM])
+    return sum(1 for c in core if core[c] > 100 or mem[c] > 143771 // UNIT)
+
+
 def _ready(port: int) -> bool:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
@@ -350,6 +367,7 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
             30.0,
         )
         errors = list(scheduler.stats.bind_errors)
+        overcommitted = _overcommitted(api.pods())
     finally:
         if scheduler is not None:
             scheduler.stop()
@@ -378,6 +396,7 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
         "ratio": ratio,
         "burst": {"pods": BURST, "bound": burst_bound, "seconds": round(burst_s, 2)},
         "bind_errors": len(errors),
+        "overcommitted_cards": overcommitted,
         "first_bind_error": errors[0][:300] if errors else "",
         "targets": [
             # "at least" targets as limits on their inverse
@@ -393,6 +412,7 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
                 1000 / E2E_PODS_PER_S,
                 "ms",
             ).to_json(),
+            Target("cards overcommitted by the assignments", overcommitted, 0, "cards").to_json(),
             Target(
                 f"{BURST}-pod burst all bound",
                 round(burst_s if burst_bound == BURST else 99.0, 2),
@@ -413,11 +433,10 @@ def run(admissions: int = 200, nodes: int = 200, pods: int = 1000) -> Json:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    import json
     import sys
 
     section = sys.argv[1] if len(sys.argv) > 1 else "all"
-    fns = {
+    fns: dict[str, Callable[[], Json]] = {
         "node": lambda: node(int(sys.argv[2]) if len(sys.argv) > 2 else 200),
         "checkpoint": checkpoint_sizes,
         "listandwatch": listandwatch,
