@@ -26,6 +26,7 @@ hands out advertised, unallocated IDs, so no rule here can overcommit a card.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -322,13 +323,18 @@ class Ledger:
 
     def _release_offered(self, resource: Resource, available: Collection[DeviceId]) -> list[str]:
         """IDs the kubelet offers as free are not held by any live container."""
-        dead = set()
-        for device_id in available:
-            dead |= self._holders.get(self.slot(device_id), set())
+        offered = set(available)
+        # Held slots among the offered IDs, at C speed: short IDs are their own
+        # slot; the few others (legacy IDs) are mapped one by one.
+        slots = self._holders.keys() & offered
+        slots |= {self.slot(d) for d in offered - self._index.keys()}
+        dead: set[str] = set()
+        for slot in slots:
+            dead |= self._holders.get(slot, set())
         released = []
         for key in dead:
             placement = self.placements.get(key)
-            if placement is not None and placement.ids.get(resource, frozenset()) & set(available):
+            if placement is not None and placement.ids.get(resource, frozenset()) & offered:
                 self.release(key)
                 released.append(key)
         return released
@@ -411,14 +417,16 @@ class Ledger:
         available: Sequence[DeviceId],
         must_include: Sequence[DeviceId],
         size: int,
+        where: dict[DeviceId, tuple[CardUuid, Resource, int]] | None = None,
     ) -> list[DeviceId]:
         chosen = list(dict.fromkeys(must_include))
         taken = set(chosen)
         order = {c: i for i, c in enumerate(cards)}
-        where = {d: self.lookup(d) for d in available if d not in taken}
+        if where is None:
+            where = self._known_map(None, available)
         ranked = sorted(
-            (d for d, f in where.items() if f is not None and f[0] in order),
-            key=lambda d: (order[where[d][0]], where[d][2]),  # type: ignore[index]
+            (d for d in available if d not in taken and d in where and where[d][0] in order),
+            key=lambda d: (order[where[d][0]], where[d][2]),
         )
         for device_id in ranked:
             if len(chosen) >= size:
@@ -446,20 +454,19 @@ class Ledger:
         """
         self.check_preferred(resource, must_include, size)
         must = [DeviceId(d) for d in must_include]
-        must_set = set(must)
-        avail = [d for d in self._known(resource, available) if d not in must_set]
+        known = self._known_map(resource, available)
+        for device_id in must:
+            known.pop(device_id, None)
+        avail = list(known)
         released = self._release_offered(resource, avail)
         if len(must) >= size:
             return must[:size], released
-        offered: dict[CardUuid, int] = {}
-        for device_id in avail:
-            card = self._card_uuid(device_id)
-            offered[card] = offered.get(card, 0) + 1
+        offered: dict[CardUuid, int] = dict(Counter(f[0] for f in known.values()))
 
         spec = self._match(resource, size, candidates)
         pending = self._pending
         if pending is not None and self._continues(pending, resource, size, spec, blind_pairing):
-            ids = self._ids_on(pending.cards, avail, must, size)
+            ids = self._ids_on(pending.cards, avail, must, size, known)
             if len(ids) < size and pending.assigned is not None and pending.spec is not None:
                 raise self._refuse_assigned(
                     pending.spec, resource, pending.assigned, len(ids), size
@@ -499,7 +506,7 @@ class Ledger:
             cards = self._choose_whole(request, resource, offered)
         else:
             cards = (self._choose_fractional(request, resource, offered, spec is not None),)
-        ids = self._ids_on(cards, avail, must, size)
+        ids = self._ids_on(cards, avail, must, size, known)
         if len(ids) < size and spec is not None and assigned is not None:
             raise self._refuse_assigned(spec, resource, assigned, len(ids), size)
         if len(ids) < size:
@@ -716,13 +723,23 @@ class Ledger:
         """Checks that hold without knowing the container's other resource."""
         self.validate_request(replace(request, memory_units=max(request.memory_units, 1)))
 
-    def _known(self, resource: Resource, ids: Iterable[str]) -> list[DeviceId]:
-        """The advertised IDs of `resource` among `ids` (others are ignored)."""
-        out = []
+    def _known_map(
+        self, resource: Resource | None, ids: Iterable[str]
+    ) -> dict[DeviceId, tuple[CardUuid, Resource, int]]:
+        """The slices of `resource` (any, for None) among `ids`, in their order,
+        with what each names; one pass (this walks every offered ID)."""
+        index = self._index
+        out: dict[DeviceId, tuple[CardUuid, Resource, int]] = {}
         for raw in ids:
-            found = self.lookup(raw)
-            if found is not None and found[1] is resource:
-                out.append(DeviceId(raw))
+            found = index.get(raw)
+            if found is None:
+                if "." in raw:
+                    continue
+                found = self.lookup(raw)
+                if found is None:
+                    continue
+            if resource is None or found[1] is resource:
+                out[DeviceId(raw)] = found
         return out
 
     def _check_ids(self, resource: Resource, ids: Sequence[str], what: str) -> None:
