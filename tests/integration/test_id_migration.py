@@ -170,3 +170,4 @@ def test_upgrade_keeps_running_pods_admittable_and_never_double_books(
     # The kubelet's checkpoint now holds short IDs only.
     entries, registered = checkpoint.decode(node.kubelet.checkpoint_path.read_bytes())
     assert all(len(d) <= MAX_DEVICE_ID_LEN for ids in registered.values() for d in ids)
+    assert old.uid not in {e.pod_uid for e in entries}

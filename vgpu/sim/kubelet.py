@@ -55,10 +55,10 @@ from pathlib import Path
 import grpc
 
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
-from vgpu.sim import checkpoint
 from vgpu.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from vgpu.pb import podresources_v1_pb2 as pr
 from vgpu.pb import podresources_v1_pb2_grpc as pr_grpc
+from vgpu.sim import checkpoint
 
 __all__ = [
     "API_VERSION",

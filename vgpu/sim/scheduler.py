@@ -222,9 +222,9 @@ class SchedulerStandIn:
                     used.setdefault(node, {})[r] = used.setdefault(node, {}).get(r, 0) + n
         with self._lock:
             for uid in list(self._assumed):
-                if uid in bound or uid not in present:
-                    if not self._pods.get(uid, _PodState()).binding:
-                        self._assumed.pop(uid, None)
+                done = uid in bound or uid not in present
+                if done and not self._pods.get(uid, _PodState()).binding:
+                    self._assumed.pop(uid, None)
         return used
 
     def _fits_totals(
