@@ -367,6 +367,12 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
             30.0,
         )
         errors = list(scheduler.stats.bind_errors)
+        calls = {
+            "filter": scheduler.stats.filter_calls,
+            "prioritize": scheduler.stats.prioritize_calls,
+            "bind": scheduler.stats.bind_calls,
+            "unschedulable": scheduler.stats.unschedulable,
+        }
         overcommitted = _overcommitted(api.pods())
     finally:
         if scheduler is not None:
@@ -395,6 +401,7 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
         },
         "ratio": ratio,
         "burst": {"pods": BURST, "bound": burst_bound, "seconds": round(burst_s, 2)},
+        "scheduler_calls": calls,
         "bind_errors": len(errors),
         "overcommitted_cards": overcommitted,
         "first_bind_error": errors[0][:300] if errors else "",

@@ -115,6 +115,7 @@ class SchedulerStandIn:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(bind_workers, thread_name_prefix="sim-sched-bind")
+        self._conns = threading.local()  # kept-alive HTTP connections, per thread
 
     # ------------------------------------------------------------ lifecycle
 
@@ -410,19 +411,33 @@ class SchedulerStandIn:
     # ------------------------------------------------------------------ HTTP
 
     def _request(self, base: str, path: str, body: Any) -> tuple[int, bytes]:
+        """POST over a kept-alive connection per thread and server, as Go's HTTP
+        client does for kube-scheduler; a broken one is replaced once."""
         url = urlsplit(base)
-        conn = http.client.HTTPConnection(
-            url.hostname or "127.0.0.1", url.port or 80, timeout=self.http_timeout_s
+        target = (url.hostname or "127.0.0.1", url.port or 80)
+        payload = json.dumps(body).encode()
+        conns: dict[tuple[str, int], http.client.HTTPConnection] = self._conns.__dict__.setdefault(
+            "by_target", {}
         )
-        try:
-            payload = json.dumps(body).encode()
-            conn.request("POST", path, payload, {"Content-Type": "application/json"})
-            reply = conn.getresponse()
-            return reply.status, reply.read()
-        except OSError as exc:
-            raise ExtenderError(f"{type(exc).__name__}: {exc}") from None
-        finally:
-            conn.close()
+        for attempt in (1, 2):
+            conn = conns.get(target)
+            if conn is None:
+                conn = http.client.HTTPConnection(*target, timeout=self.http_timeout_s)
+                conns[target] = conn
+            try:
+                conn.request("POST", path, payload, {"Content-Type": "application/json"})
+                reply = conn.getresponse()
+                data = reply.read()
+                if reply.getheader("Connection", "").lower() == "close":
+                    conn.close()
+                    conns.pop(target, None)
+                return reply.status, data
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                conns.pop(target, None)
+                if attempt == 2 or isinstance(exc, TimeoutError):
+                    raise ExtenderError(f"{type(exc).__name__}: {exc}") from None
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _post(self, verb: str, args: Any) -> Any:
         url = urlsplit(self.extender_url)
