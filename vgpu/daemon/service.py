@@ -45,10 +45,8 @@ from vgpu.core.reuse import Holder, KubeletListing, judge_holder
 log = logging.getLogger("vgpu")
 
 OWNER_SYNC_DELAY_S = 0.3
-ANNOTATE_RETRY_S = 30.0
-EMPTY_ANSWER = ContainerEdits(
-    envs={}
-)  # re-queue a pod annotation the cache does not show after this
+ANNOTATE_RETRY_S = 30.0  # re-queue a pod annotation the cache does not show after this
+EMPTY_ANSWER = ContainerEdits(envs={})  # a container's second answer that adds nothing
 
 
 @dataclass(frozen=True)
@@ -127,7 +125,7 @@ class PluginService:
         # container placed without pod information: see _blind_pairing().
         self._blind_pods: tuple[str, frozenset[tuple[str, str]]] | None = None
         self._legacy_published = 0  # ledger.legacy_version the device lists show
-        # (key, resource, answer) of the last Allocate: see _deduplicated().
+        # (key, resources answered, answer) of the last container: _deduplicated().
         self._last_answer: tuple[str, frozenset[Resource], AllocationAnswer] | None = None
 
     def _republish_if_legacy_changed(self) -> None:
