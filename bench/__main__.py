@@ -15,7 +15,18 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import admission, dra, extender, footprint, hooks, packing, preload, scale, webhook
+from bench import (
+    admission,
+    dra,
+    extender,
+    fastpath,
+    footprint,
+    hooks,
+    packing,
+    preload,
+    scale,
+    webhook,
+)
 from bench.common import Json, machine
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
@@ -34,6 +45,9 @@ class Plan:
     extender_pods: int = 400
     preload: tuple[int, int, int] = (5, 1000, 40)  # rounds, /bin/true and python3 starts
     webhook_requests: int = 1000
+    fast_admissions: int = 200
+    fast_nodes: int = 200
+    fast_pods: int = 1000
 
 
 FULL = Plan(
@@ -51,6 +65,9 @@ QUICK = Plan(
     extender_pods=100,
     preload=(1, 50, 2),
     webhook_requests=200,
+    fast_admissions=40,
+    fast_nodes=20,
+    fast_pods=100,
 )
 
 
@@ -67,6 +84,7 @@ def sections(plan: Plan) -> dict[str, Callable[[], Json]]:
         ),
         "preload": lambda: preload.run(*plan.preload),
         "webhook": lambda: webhook.run(plan.webhook_requests),
+        "fastpath": lambda: fastpath.run(plan.fast_admissions, plan.fast_nodes, plan.fast_pods),
     }
 
 
@@ -212,6 +230,48 @@ def _rows_webhook(r: Json) -> list[list[str]]:
     return rows
 
 
+def _rows_fastpath(r: Json) -> list[list[str]]:
+    n, c, law, e = r["node"], r["checkpoint"], r["listandwatch"], r["extender"]
+    rows = [["", "vgpu", "baseline", "ratio"]]
+    for key in ("first", "p50", "p99"):
+        rows.append(
+            [
+                f"pod admission {key} (ms)",
+                f"{n['vgpu'][f'{key}_ms']:.2f}",
+                f"{n['null'][f'{key}_ms']:.2f}",
+                f"{n['ratios'][key]}",
+            ]
+        )
+    for shape in c["shapes"]:
+        rows.append(
+            [
+                f"checkpoint B, {shape['gpus']}",
+                str(shape["bytes"]),
+                str(shape["legacy_bytes"]),
+                str(shape["ratio"]),
+            ]
+        )
+    for row in law["memory"]:
+        rows.append(
+            [
+                f"ListAndWatch B, 16xH200 {row['unit_mib']} MiB",
+                str(row["bytes"]),
+                str(row["legacy_bytes"]),
+                str(round(row["bytes"] / row["legacy_bytes"], 3)),
+            ]
+        )
+    rows.append(
+        [
+            f"pods/s, {e['nodes']} nodes, {e['pods']} pods",
+            str(e["vgpu"]["pods_per_s"]),
+            str(e["baseline"]["pods_per_s"]),
+            str(e["ratio"]),
+        ]
+    )
+    rows.append([f"{e['burst']['pods']}-pod burst (s)", str(e["burst"]["seconds"]), "", ""])
+    return rows
+
+
 ROWS: dict[str, Callable[[Json], list[list[str]]]] = {
     "admission": _rows_admission,
     "scale": _rows_scale,
@@ -222,6 +282,7 @@ ROWS: dict[str, Callable[[Json], list[list[str]]]] = {
     "extender": _rows_extender,
     "preload": _rows_preload,
     "webhook": _rows_webhook,
+    "fastpath": _rows_fastpath,
 }
 
 

@@ -43,6 +43,7 @@ import grpc
 import psutil  # type: ignore[import-untyped, unused-ignore]
 
 from bench.common import Json
+from vgpu.core.slicing import parse_device_id
 from vgpu.sim.faults import FaultUnavailable, SmallDisk
 from vgpu.sim.harness import SimNode
 from vgpu.sim.kubelet import Admission, SimPod
@@ -447,7 +448,7 @@ class Soak:
         for data in records.values():
             for resource, ids in (data.get("device_ids") or {}).items():
                 for d in ids:
-                    held.setdefault(d.rsplit("-", 1)[0], {}).setdefault(resource, set()).add(d)
+                    held.setdefault(_card_part(d), {}).setdefault(resource, set()).add(d)
         for uuid, per in held.items():
             if len(per.get("vcuda-core", ())) > 100:
                 self.violations.append(f"{step}: card {uuid} core overcommitted")
@@ -487,7 +488,7 @@ class Soak:
                 record = records[key]
                 for uuid in record.get("cards", []):
                     limits[uuid] += record.get("memory_limit_mib") or 0
-                cards = {d.rsplit("-", 1)[0] for v in ids.values() for d in v}
+                cards = {_card_part(d) for v in ids.values() for d in v}
                 if len(ids.get("vcuda-core", ())) < 100 and len(cards) > 1:
                     self.violations.append(f"{step}: {pod.name}/{c.name} spans cards {cards}")
         for uuid, mib in limits.items():
@@ -651,3 +652,9 @@ def main(argv: list[str]) -> int:
         if soak.daemon_log:  # what the daemon said, next to the report
             args.out.with_suffix(".daemon.log").write_text(soak.daemon_log)
     return 0 if report["passed"] else 1
+
+
+def _card_part(device_id: str) -> str:
+    """The part of a device ID that names its card (index and digest, or a legacy UUID)."""
+    ref = parse_device_id(device_id)
+    return ref.card_uuid or f"{ref.card_index}.{ref.card_digest}"

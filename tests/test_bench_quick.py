@@ -11,7 +11,17 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("admission", "scale", "footprint", "packing", "hooks", "dra", "extender", "webhook")
+SECTIONS = (
+    "admission",
+    "scale",
+    "footprint",
+    "packing",
+    "hooks",
+    "dra",
+    "extender",
+    "webhook",
+    "fastpath",
+)
 
 
 def _numbers(value: Any) -> list[float]:
@@ -26,7 +36,7 @@ def _numbers(value: Any) -> list[float]:
     return []
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_bench_quick_writes_every_section(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
@@ -34,7 +44,7 @@ def test_bench_quick_writes_every_section(tmp_path: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=290,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -97,6 +107,16 @@ def test_bench_quick_writes_every_section(tmp_path: Path) -> None:
         assert fresh["requests"] == 100 and 0 < fresh["p50_ms"] <= fresh["p99_ms"]
         assert 0 < hook[name]["handler"]["p50_ms"] <= kept["p50_ms"]
     assert len(hook["targets"]) == 2
+
+    fast = sections["fastpath"]
+    assert fast["node"]["failures"] == 0
+    assert fast["node"]["vgpu"]["p99_ms"] >= fast["node"]["vgpu"]["p50_ms"] > 0
+    for shape in fast["checkpoint"]["shapes"]:
+        assert 0 < shape["bytes"] < shape["legacy_bytes"], shape
+    assert all(r["bytes"] < r["legacy_bytes"] for r in fast["listandwatch"]["memory"])
+    e2e = fast["extender"]
+    assert e2e["vgpu"]["bound"] == e2e["pods"] and e2e["baseline"]["bound"] == e2e["pods"]
+    assert e2e["burst"]["bound"] == e2e["burst"]["pods"] and e2e["overcommitted_cards"] == 0
 
     hooks = sections["hooks"]
     if hooks["available"]:

@@ -18,6 +18,7 @@ from tests.integration.conftest_placement import (
     MEM,
     allocate,
     assert_admitted_ok,
+    card_of,
     mock_card,
     rpc_error,
     write_mock,
@@ -100,9 +101,13 @@ def test_ids_of_a_card_that_vanished(make_node: NodeFactory, short_tmp: Path) ->
     node = make_node(gpus)
     gone = mock_card(1)["uuid"]
     write_mock(gpus, [mock_card(0)])
-    assert wait_until(lambda: not any(d.startswith(gone) for d in node.kubelet.devices(CORE)), 10)
-    err = rpc_error(lambda: allocate(node, Resource.CORE, [f"{gone}-c0"]))
-    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
-    assert f"card {gone}" in (err.details() or "") and "no longer on this node" in (
-        err.details() or ""
-    )
+    before = [d for d in node.kubelet.devices(CORE) if card_of(d) == gone]
+    assert before
+    assert wait_until(lambda: not any(card_of(d) == gone for d in node.kubelet.devices(CORE)), 10)
+    # Its short ID, and its legacy ID (a checkpoint from before issue 19), alike.
+    for device_id in (before[0], f"{gone}-c0"):
+        err = rpc_error(lambda d=device_id: allocate(node, Resource.CORE, [d]))  # type: ignore[misc]
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
+        assert f"card {gone}" in (err.details() or "") and "no longer on this node" in (
+            err.details() or ""
+        )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -161,17 +163,17 @@ def test_allocate_validates_ids() -> None:
     with pytest.raises(InvalidRequest, match="no device IDs"):
         led.allocate(CORE, [])
     with pytest.raises(InvalidRequest, match="same device ID twice"):
-        led.allocate(CORE, [format_device_id(card, CORE, 1)] * 2)
+        led.allocate(CORE, [format_device_id(led.cards[card], CORE, 1)] * 2)
     with pytest.raises(InvalidRequest, match=r"contains IDs of vendor\.io/vcuda-memory"):
-        led.allocate(CORE, [format_device_id(card, MEM, 1)])
+        led.allocate(CORE, [format_device_id(led.cards[card], MEM, 1)])
     with pytest.raises(UnknownDevice):
-        led.allocate(CORE, [format_device_id(card, CORE, 100)])
+        led.allocate(CORE, [format_device_id(led.cards[card], CORE, 100)])
 
 
 def test_fractional_core_over_two_cards_is_refused() -> None:
     led = ledger(2)
     a, b = list(led.cards)
-    ids = [format_device_id(a, CORE, 0), format_device_id(b, CORE, 0)]
+    ids = [format_device_id(led.cards[a], CORE, 0), format_device_id(led.cards[b], CORE, 0)]
     with pytest.raises(InvalidRequest, match="must come from one card"):
         led.allocate(CORE, ids)
 
@@ -179,8 +181,8 @@ def test_fractional_core_over_two_cards_is_refused() -> None:
 def test_whole_request_must_cover_whole_cards() -> None:
     led = ledger(2)
     a, b = list(led.cards)
-    ids = [format_device_id(a, CORE, i) for i in range(50)] + [
-        format_device_id(b, CORE, i) for i in range(50)
+    ids = [format_device_id(led.cards[a], CORE, i) for i in range(50)] + [
+        format_device_id(led.cards[b], CORE, i) for i in range(50)
     ]
     with pytest.raises(InvalidRequest, match="all 100 core IDs"):
         led.allocate(CORE, ids)
@@ -190,10 +192,12 @@ def test_memory_on_other_card_than_core_is_a_conflict() -> None:
     led = ledger(2)
     a, b = list(led.cards)
     c = spec(30, 4)
-    ids, _ = led.preferred(CORE, [format_device_id(a, CORE, i) for i in range(100)], [], 30, [c])
+    ids, _ = led.preferred(
+        CORE, [format_device_id(led.cards[a], CORE, i) for i in range(100)], [], 30, [c]
+    )
     led.allocate(CORE, ids, [c])
     with pytest.raises(PlacementConflict, match="must share a card"):
-        led.allocate(MEM, [format_device_id(b, MEM, i) for i in range(4)], [c])
+        led.allocate(MEM, [format_device_id(led.cards[b], MEM, i) for i in range(4)], [c])
 
 
 def test_held_ids_reused_by_the_same_pod_share_its_placement() -> None:
@@ -227,7 +231,7 @@ def test_memory_on_a_card_held_whole_is_refused() -> None:
     k.admit(spec(100))
     card = next(iter(led.cards))
     with pytest.raises(PlacementConflict, match="held whole"):
-        led.allocate(MEM, [format_device_id(card, MEM, 0)])
+        led.allocate(MEM, [format_device_id(led.cards[card], MEM, 0)])
 
 
 def test_preferred_releases_placements_the_kubelet_offers_as_free() -> None:
@@ -265,9 +269,11 @@ def test_ids_of_a_card_that_disappeared_name_the_card() -> None:
     gone = led.cards[next(iter(led.cards))]
     led.set_cards([c for c in led.cards.values() if c.uuid != gone.uuid])
     with pytest.raises(UnknownCard, match=f"card {gone.uuid} .index 0., which is no longer"):
-        led.allocate(CORE, [format_device_id(gone.uuid, CORE, 0)])
+        led.allocate(CORE, [format_device_id(gone, CORE, 0)])
     with pytest.raises(UnknownDevice, match="never advertised"):
-        led.allocate(CORE, [format_device_id(CardUuid("GPU-never-seen"), CORE, 0)])
+        led.allocate(
+            CORE, [format_device_id(replace(gone, uuid=CardUuid("GPU-never-seen")), CORE, 0)]
+        )
 
 
 # ------------------------------------------------------------ properties
@@ -389,7 +395,7 @@ def test_reconcile_releases_a_stale_in_flight_placement() -> None:
     # listed it: kept while its other resource may come, then released.
     led = ledger(1)
     card = next(iter(led.cards))
-    p = led.allocate(CORE, [format_device_id(card, CORE, i) for i in range(5)], now_s=0)
+    p = led.allocate(CORE, [format_device_id(led.cards[card], CORE, i) for i in range(5)], now_s=0)
     assert led.reconcile(frozenset(), now_s=10) == []
     assert [r.key for r in led.reconcile(frozenset(), now_s=40)] == [p.key]
     assert led.blind_pending_key() is None

@@ -75,7 +75,7 @@ def test_allocate_refuses_ids_off_the_assigned_card() -> None:
     ids, _ = led.preferred(CORE, k.available(CORE), [], 30, [s])
     assert {led.lookup(d)[0] for d in ids} == {cards(2)[1].uuid}  # type: ignore[index]
     led.allocate(CORE, ids, [s])
-    wrong = [d for d in k.available(MEM) if d.startswith(cards(2)[0].uuid)][:40]
+    wrong = [d for d in k.available(MEM) if led.lookup(d)[0] == cards(2)[0].uuid][:40]  # type: ignore[index]
     with pytest.raises(PlacementConflict, match="extender assigned"):
         led.allocate(MEM, wrong, [s])
 

@@ -263,7 +263,7 @@ def test_rbac_is_the_built_in_scheduler_role_plus_what_the_extender_uses() -> No
             for resource in rule["resources"]:
                 granted.setdefault((group, resource), set()).update(rule["verbs"])
     assert granted == {
-        ("", "pods"): {"get", "list", "watch", "patch"},
+        ("", "pods"): {"get", "list", "watch"},
         ("", "pods/binding"): {"create"},
         ("", "nodes"): {"get", "list", "watch"},
         ("", "events"): {"create", "patch", "update"},

@@ -17,9 +17,11 @@ import grpc
 import pytest
 
 from tests.conftest import NodeFactory
+from tests.conftest import card as test_card
+from vgpu.adapters.gpus import PRESETS, preset_cards
 from vgpu.cli.status import collect
 from vgpu.core.model import Resource
-from vgpu.core.slicing import parse_device_id
+from vgpu.core.slicing import card_digest, parse_device_id
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
 from vgpu.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from vgpu.sim.harness import SimNode, wait_until
@@ -133,8 +135,26 @@ def rpc_error(fn: Callable[[], Any]) -> grpc.RpcError:
 # ------------------------------------------------------------------ checks
 
 
+def _known_uuids() -> dict[str, str]:
+    """digest -> UUID of every card the tests' mock GPUs can have (the presets and
+    mock_card(i)); 20-bit digests of these ~400 UUIDs do not collide (checked)."""
+    uuids = [str(c.uuid) for m in PRESETS for c in preset_cards(f"preset:64x{m}")]
+    uuids += [mock_card(i)["uuid"] for i in range(64)]
+    uuids += [test_card(i)["uuid"] for i in range(32)]
+    out = {card_digest(u): u for u in uuids}
+    assert len(out) == len(set(uuids))
+    return out
+
+
+_KNOWN = _known_uuids()
+
+
 def card_of(device_id: str) -> str:
-    return str(parse_device_id(device_id)[0])
+    """The UUID of the card a device ID names (short or legacy form)."""
+    ref = parse_device_id(device_id)
+    if ref.card_uuid is not None:
+        return str(ref.card_uuid)
+    return _KNOWN[ref.card_digest]
 
 
 def cards_of(ids: Mapping[str, Sequence[str]]) -> set[str]:

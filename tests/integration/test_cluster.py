@@ -24,6 +24,7 @@ import pytest
 from tests.integration.conftest_placement import write_mock
 from vgpu.cli.main import main
 from vgpu.cli.status_cluster import collect_cluster
+from vgpu.core.slicing import parse_device_id
 from vgpu.sim.apiserver import make_pod
 from vgpu.sim.cluster import SimCluster
 
@@ -100,7 +101,9 @@ def check_invariants(cl: SimCluster) -> None:
         for containers in node.kubelet.allocated().values():
             for per_resource in containers.values():
                 for device in per_resource.get(C, []):
-                    held.setdefault(device.rpartition("-")[0], set()).add(device)
+                    ref = parse_device_id(device)
+                    card = ref.card_uuid or f"{ref.card_index}.{ref.card_digest}"
+                    held.setdefault(card, set()).add(device)
         assert all(len(ids) <= 100 for ids in held.values()), held
     for node in collect_cluster(cl.kubeconfig)["nodes"]:
         for card in node["cards"]:

@@ -246,7 +246,7 @@ def test_allocate_makes_no_api_call(node: SimNode) -> None:
     assert wait_until(lambda: any("watch" in p for _, p in node.api.requests()), 10)
     assert_admitted_ok(node.submit(node.pod("warm", {CORE: 10, MEM: 10})))
     free = sorted(
-        d for d, h in node.kubelet.devices(MEM).items() if h == "Healthy" and "000000000001-" in d
+        d for d, h in node.kubelet.devices(MEM).items() if h == "Healthy" and d.startswith("1m")
     )[-5:]
     before = node.api.request_count
     allocate(node, Resource.MEMORY, free)

@@ -20,6 +20,7 @@ from tests.integration.conftest_placement import (
     NodeMaker,
     assert_admitted_ok,
     capacity_problems,
+    card_of,
     cards_of,
     live_app_containers,
     mock_card,
@@ -236,7 +237,7 @@ def test_gpu_fault(sim_node: NodeMaker, pl_tmp: Path, fault: dict[str, object]) 
     def bad_ids_unhealthy() -> bool:
         for resource in (CORE, MEM):
             devices = node.kubelet.devices(resource)
-            on_bad = [h for d, h in devices.items() if d.startswith(bad)]
+            on_bad = [h for d, h in devices.items() if card_of(d) == bad]
             if not on_bad or any(h != "Unhealthy" for h in on_bad):
                 return False
         return True

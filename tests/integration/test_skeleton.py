@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from tests.conftest import H200_MIB, SOCKETS, MockGpusFile, NodeFactory, card, cards
+from tests.integration.conftest_placement import card_of
 from vgpu.core.model import Resource
 from vgpu.core.slicing import MAX_DEVICE_ID_LEN, parse_device_id
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
@@ -49,7 +50,7 @@ def card_ids(node: SimNode, uuid: str) -> dict[str, str]:
     """ID -> health for every advertised ID of one card, both resources."""
     out: dict[str, str] = {}
     for resource in (node.core, node.memory):
-        out.update({i: h for i, h in ids(node, resource).items() if parse_device_id(i)[0] == uuid})
+        out.update({i: h for i, h in ids(node, resource).items() if card_of(i) == uuid})
     return out
 
 
@@ -132,7 +133,9 @@ def test_device_ids_are_unique_short_and_encode_their_card(
         per_card: dict[str, set[int]] = {}
         for device_id in devices:
             assert len(device_id) <= MAX_DEVICE_ID_LEN
-            uuid, parsed_kind, index = parse_device_id(device_id)
+            ref = parse_device_id(device_id)
+            assert not ref.legacy
+            uuid, parsed_kind, index = card_of(device_id), ref.resource, ref.index
             assert parsed_kind is kind
             assert uuid in numa
             per_card.setdefault(uuid, set()).add(index)

@@ -4,6 +4,8 @@ through the official ``kubernetes`` client against the fake API server."""
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
@@ -120,3 +122,55 @@ def test_node_helpers_and_change_waits(server: FakeApiServer) -> None:
     assert server.get_node("n1")["status"]["allocatable"] == {CORE: "200"}  # type: ignore[index]
     server.delete_node("n1")
     assert server.nodes() == []
+
+
+@pytest.mark.timeout(20)
+def test_binding_merges_its_annotations_and_labels_in_the_same_write(
+    server: FakeApiServer, v1: client.CoreV1Api
+) -> None:
+    pod = make_pod("m", node=None, annotations={"keep": "me", "over": "old"})
+    uid = server.add_pod(pod)["metadata"]["uid"]
+    before = server.resource_version
+    body = _binding("m", "node-1", uid)
+    body["metadata"]["annotations"] = {"vendor.io/vgpu-assignment": '{"a": 1}', "over": "new"}
+    body["metadata"]["labels"] = {"topology.example/zone": "z1"}
+    reply = v1.create_namespaced_pod_binding("m", "default", body, _preload_content=False)
+    assert reply.status == 201
+    stored = server.get_pod("default", "m")
+    assert stored is not None and stored["spec"]["nodeName"] == "node-1"
+    assert stored["metadata"]["annotations"] == {
+        "keep": "me",
+        "over": "new",
+        "vendor.io/vgpu-assignment": '{"a": 1}',
+    }
+    assert stored["metadata"]["labels"]["topology.example/zone"] == "z1"
+    # One write: the node, the annotations and the labels share one resourceVersion.
+    assert server.resource_version == before + 1
+    assert stored["metadata"]["resourceVersion"] == str(before + 1)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    "field_name, value",
+    [("annotations", {"k": 1}), ("annotations", ["x"]), ("labels", {"": "v"})],
+    ids=["annotation-not-string", "annotations-not-map", "label-empty-key"],
+)
+def test_binding_with_bad_metadata_is_refused_and_binds_nothing(
+    server: FakeApiServer, v1: client.CoreV1Api, field_name: str, value: Any
+) -> None:
+    uid = server.add_pod(make_pod("bad", node=None))["metadata"]["uid"]
+    body = _binding("bad", "node-1", uid)
+    body["metadata"][field_name] = value
+    # Raw HTTP: the client would refuse to send such a body at all.
+    request = urllib.request.Request(
+        f"{server.url}/api/v1/namespaces/default/pods/bad/binding",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=5)
+    assert err.value.code == 422
+    assert f"metadata.{field_name}" in json.loads(err.value.read())["message"]
+    stored = server.get_pod("default", "bad")
+    assert stored is not None and not (stored.get("spec") or {}).get("nodeName")

@@ -282,7 +282,7 @@ def test_admission_merges_first_wins(env: Env) -> None:
     assert len(c.clashes) == 1 and "SHARED" in c.clashes[0]
     assert c.responses[CORE].envs["SHARED"] == ",".join(c.device_ids[CORE])
     assert adm.container("idle").calls == []
-    assert sorted(adm.latencies_s) == ["Allocate", "GetPreferredAllocation"]
+    assert sorted(adm.latencies_s) == ["Allocate", "GetPreferredAllocation", "checkpoint write"]
     assert len(adm.latencies_s["Allocate"]) == 2
     assert sim.allocated() == {pod.uid: {"c": c.device_ids, "idle": {}}}
     assert sim.allocatable(CORE) == 2 and sim.allocatable(MEM) == 3

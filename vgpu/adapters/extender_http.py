@@ -17,8 +17,10 @@ dies on input.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
 import sys
 import threading
 import time
@@ -168,6 +170,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body are two writes: on the kept-alive connections
+        # kube-scheduler uses, Nagle's algorithm would hold the body back for
+        # the client's delayed ACK, ~40 ms on every answer. Send at once.
+        with contextlib.suppress(OSError):
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def do_GET(self) -> None:
         edge = cast(_Server, self.server).edge

@@ -39,8 +39,11 @@ log = logging.getLogger(__name__)
 CONFIG_SCHEMA_VERSION = 1
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write, fsync, rename, fsync the directory: all or nothing after a crash."""
+def atomic_write(path: Path, data: bytes, mode: int = 0o644, durable: bool = True) -> None:
+    """Write, fsync, rename, fsync the directory: all or nothing after a crash.
+
+    `durable` False skips both fsyncs (still all or nothing after a process
+    crash): for a record that a durable write replaces moments later."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -48,12 +51,15 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
             fh.write(data)
             fh.flush()
             os.fchmod(fh.fileno(), mode)
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    if not durable:
+        return
     dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dir_fd)
@@ -141,7 +147,9 @@ class ContainerStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.sweeper.start()
 
-    def write(self, placement: Placement) -> ContainerPaths:
+    def write(self, placement: Placement, durable: bool = True) -> ContainerPaths:
+        """Write a placement's directory and record; `durable` False leaves the
+        fsync to the write that completes the container (one per container)."""
         paths = self.paths(placement.key)
         paths.shared_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
         # The budget file exists, at its size, before the container starts: only
@@ -150,7 +158,7 @@ class ContainerStore:
         if repaired:
             log.warning("budget file of %s: %s", placement.key, repaired)
         body = json.dumps(placement_record(placement, self.memory_unit_mib), indent=1).encode()
-        atomic_write(paths.config_file, body)
+        atomic_write(paths.config_file, body, durable=durable)
         return paths
 
     def discard(self, key: str) -> OSError | None:

@@ -285,7 +285,7 @@ class ClusterCache:
 
 
 class KubeBinder:
-    """The two API writes of a bind, each bounded by `timeout_s`."""
+    """A bind's one API write (a Binding carrying the assignment), bounded by `timeout_s`."""
 
     def __init__(self, kubeconfig: Path | None, domain: str, timeout_s: float) -> None:
         self.kubeconfig = kubeconfig
@@ -338,21 +338,19 @@ class KubeBinder:
         return pod
 
     def bind(self, namespace: str, name: str, uid: str, node: str, assignment: str) -> None:
+        """One API call: the Binding's own metadata.annotations carry the assignment,
+        and the API server merges them into the pod in the same write as
+        spec.nodeName (so the pod is never bound without its assignment)."""
         api = self._client()
-        self._call(
-            f"annotating pod {namespace}/{name}",
-            lambda: api.patch_namespaced_pod(
-                name,
-                namespace,
-                {"metadata": {"annotations": {assignment_key(self.domain): assignment}}},
-                _preload_content=False,
-                _request_timeout=self.timeout_s,
-            ),
-        )
         body = {
             "apiVersion": "v1",
             "kind": "Binding",
-            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "uid": uid,
+                "annotations": {assignment_key(self.domain): assignment},
+            },
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
         # The answer is a Status, not a Binding: never let the client decode it.

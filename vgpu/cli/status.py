@@ -18,7 +18,7 @@ from vgpu.adapters.dra.state import ClaimStore
 from vgpu.adapters.fs import ContainerPaths, ContainerStore, placement_record
 from vgpu.core.dra import claim_key
 from vgpu.core.model import Placement
-from vgpu.core.slicing import parse_device_id
+from vgpu.core.slicing import id_names_card
 
 DEFAULT_STATE_DIR = Path("/var/lib/vgpu")
 
@@ -81,7 +81,9 @@ def collect(state_dir: Path, now_s: float | None = None) -> dict[str, Any]:
             _holding(cards, uuid)
             mine = held.setdefault(uuid, {"vcuda-core": set(), "vcuda-memory": set()})
             for resource, ids in record["device_ids"].items():
-                mine[resource] |= {d for d in ids if parse_device_id(d)[0] == uuid}
+                mine[resource] |= {
+                    d for d in ids if id_names_card(d, uuid, cards.get(uuid, {}).get("index"))
+                }
         owner = p.owner
         who = {
             "namespace": owner.namespace if owner else None,

@@ -26,6 +26,7 @@ hands out advertised, unallocated IDs, so no rule here can overcommit a card.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -50,7 +51,13 @@ from vgpu.core.model import (
     Request,
     Resource,
 )
-from vgpu.core.slicing import card_device_ids, parse_device_id
+from vgpu.core.slicing import (
+    card_device_ids,
+    card_digest,
+    format_device_id,
+    parse_device_id,
+    units_per_card,
+)
 
 __all__ = ["RECONCILE_GRACE_S", "CardUsage", "Ledger", "placement_key"]
 
@@ -109,6 +116,11 @@ class Ledger:
         self._holders: dict[DeviceId, set[str]] = {}
         self._held: dict[tuple[CardUuid, Resource], set[DeviceId]] = {}
         self._card_keys: dict[CardUuid, set[str]] = {}
+        # Slices held under their legacy ID (the format before issue 19):
+        # short ID -> the legacy ID. They are advertised under the legacy ID
+        # until released, so the kubelet never sees one slice twice.
+        self._legacy: dict[DeviceId, DeviceId] = {}
+        self.legacy_version = 0  # bumped whenever _legacy changes
         self.set_cards(cards)
         self._pending: _Pending | None = None
         # (pod uid, resource) of a reuse that came before its container's first call.
@@ -132,11 +144,41 @@ class Ledger:
         }
 
     def lookup(self, device_id: str) -> tuple[CardUuid, Resource, int] | None:
-        """(card, resource, index) of an advertised ID, None for anything else."""
-        return self._index.get(device_id)
+        """(card, resource, index) of a slice of a present card, by its short ID or
+        its legacy ID (the format before issue 19); None for anything else."""
+        found = self._index.get(device_id)
+        if found is not None or "." in device_id:
+            return found
+        try:
+            ref = parse_device_id(device_id)
+        except UnknownDevice:
+            return None
+        card = self.cards.get(ref.card_uuid) if ref.card_uuid is not None else None
+        if card is None or ref.index >= units_per_card(card, ref.resource, self.memory_unit_mib):
+            return None
+        return card.uuid, ref.resource, ref.index
+
+    def slot(self, device_id: str) -> DeviceId:
+        """The short ID of the slice a device ID names: one key per slice, whichever
+        form the kubelet recorded it under (the ID itself when it names no slice)."""
+        if device_id in self._index or "." in device_id:
+            return DeviceId(device_id)
+        found = self.lookup(device_id)
+        if found is None:
+            return DeviceId(device_id)
+        return format_device_id(self.cards[found[0]], found[1], found[2])
+
+    def advertised(self, card: Card, resource: Resource) -> list[DeviceId]:
+        """The IDs to advertise for one card: short IDs, except for slices a
+        container holds under a legacy ID, advertised under that ID until released
+        (the kubelet re-admits a running pod only if its recorded IDs are listed)."""
+        ids = card_device_ids(card, resource, self.memory_unit_mib)
+        if not self._legacy:
+            return ids
+        return [self._legacy.get(d, d) for d in ids]
 
     def holders_of(self, device_id: DeviceId) -> frozenset[str]:
-        return frozenset(self._holders.get(device_id, ()))
+        return frozenset(self._holders.get(self.slot(device_id), ()))
 
     def held_ids(self) -> frozenset[DeviceId]:
         return frozenset(self._holders)
@@ -168,9 +210,13 @@ class Ledger:
         for card in placement.cards:
             self._card_keys.setdefault(card, set()).add(placement.key)
         for device_id in placement.all_ids():
-            self._holders.setdefault(device_id, set()).add(placement.key)
-            card, resource, _ = parse_device_id(device_id)
-            self._held.setdefault((card, resource), set()).add(device_id)
+            slot = self.slot(device_id)
+            self._holders.setdefault(slot, set()).add(placement.key)
+            card, resource = self._card_of(device_id, placement)
+            self._held.setdefault((card, resource), set()).add(slot)
+            if slot != device_id:
+                self._legacy[slot] = device_id
+                self.legacy_version += 1
 
     def release(self, key: str) -> Placement | None:
         placement = self.placements.pop(key, None)
@@ -179,17 +225,38 @@ class Ledger:
         for card in placement.cards:
             self._card_keys.get(card, set()).discard(key)
         for device_id in placement.all_ids():
-            holders = self._holders.get(device_id)
+            slot = self.slot(device_id)
+            holders = self._holders.get(slot)
             if holders is not None:
                 holders.discard(key)
                 if not holders:
-                    del self._holders[device_id]
-                    card, resource, _ = parse_device_id(device_id)
-                    self._held.get((card, resource), set()).discard(device_id)
+                    del self._holders[slot]
+                    card, resource = self._card_of(device_id, placement)
+                    self._held.get((card, resource), set()).discard(slot)
+                    if self._legacy.get(slot) == device_id:
+                        del self._legacy[slot]
+                        self.legacy_version += 1
         if self._pending is not None and self._pending.key == key:
             self._pending = None
         self._settled.discard(key)
         return placement
+
+    def _card_of(self, device_id: str, placement: Placement) -> tuple[CardUuid, Resource]:
+        """The card and resource of one of a placement's IDs, also for a card
+        no longer present (matched among the placement's own cards)."""
+        found = self.lookup(device_id)
+        if found is not None:
+            return found[0], found[1]
+        ref = parse_device_id(device_id)
+        for uuid in placement.cards:
+            seen = self._seen.get(uuid)
+            if ref.card_uuid == uuid or (
+                ref.card_uuid is None
+                and ref.card_digest == card_digest(uuid)
+                and (seen is None or seen.index == ref.card_index)
+            ):
+                return uuid, ref.resource
+        return (placement.cards[0] if placement.cards else CardUuid("?")), ref.resource
 
     def is_settled(self, key: str) -> bool:
         """Has the kubelet listed this placement (or did an earlier run record it)?"""
@@ -199,7 +266,7 @@ class Ledger:
         """Keys of the placements holding any of these IDs, oldest first."""
         keys: set[str] = set()
         for device_id in ids:
-            keys |= self._holders.get(DeviceId(device_id), set())
+            keys |= self._holders.get(self.slot(device_id), set())
         return sorted(keys, key=lambda k: (self.placements[k].created_s, k))
 
     def mark_settled(self, keys: Iterable[str]) -> None:
@@ -256,13 +323,18 @@ class Ledger:
 
     def _release_offered(self, resource: Resource, available: Collection[DeviceId]) -> list[str]:
         """IDs the kubelet offers as free are not held by any live container."""
-        dead = set()
-        for device_id in available:
-            dead |= self._holders.get(device_id, set())
+        offered = set(available)
+        # Held slots among the offered IDs, at C speed: short IDs are their own
+        # slot; the few others (legacy IDs) are mapped one by one.
+        slots = self._holders.keys() & offered
+        slots |= {self.slot(d) for d in offered - self._index.keys()}
+        dead: set[str] = set()
+        for slot in slots:
+            dead |= self._holders.get(slot, set())
         released = []
         for key in dead:
             placement = self.placements.get(key)
-            if placement is not None and placement.ids.get(resource, frozenset()) & set(available):
+            if placement is not None and placement.ids.get(resource, frozenset()) & offered:
                 self.release(key)
                 released.append(key)
         return released
@@ -345,13 +417,16 @@ class Ledger:
         available: Sequence[DeviceId],
         must_include: Sequence[DeviceId],
         size: int,
+        where: dict[DeviceId, tuple[CardUuid, Resource, int]] | None = None,
     ) -> list[DeviceId]:
         chosen = list(dict.fromkeys(must_include))
         taken = set(chosen)
         order = {c: i for i, c in enumerate(cards)}
+        if where is None:
+            where = self._known_map(None, available)
         ranked = sorted(
-            (d for d in available if d not in taken and self._index[d][0] in order),
-            key=lambda d: (order[self._index[d][0]], self._index[d][2]),
+            (d for d in available if d not in taken and d in where and where[d][0] in order),
+            key=lambda d: (order[where[d][0]], where[d][2]),
         )
         for device_id in ranked:
             if len(chosen) >= size:
@@ -379,20 +454,19 @@ class Ledger:
         """
         self.check_preferred(resource, must_include, size)
         must = [DeviceId(d) for d in must_include]
-        must_set = set(must)
-        avail = [d for d in self._known(resource, available) if d not in must_set]
+        known = self._known_map(resource, available)
+        for device_id in must:
+            known.pop(device_id, None)
+        avail = list(known)
         released = self._release_offered(resource, avail)
         if len(must) >= size:
             return must[:size], released
-        offered: dict[CardUuid, int] = {}
-        for device_id in avail:
-            card = self._index[device_id][0]
-            offered[card] = offered.get(card, 0) + 1
+        offered: dict[CardUuid, int] = dict(Counter(f[0] for f in known.values()))
 
         spec = self._match(resource, size, candidates)
         pending = self._pending
         if pending is not None and self._continues(pending, resource, size, spec, blind_pairing):
-            ids = self._ids_on(pending.cards, avail, must, size)
+            ids = self._ids_on(pending.cards, avail, must, size, known)
             if len(ids) < size and pending.assigned is not None and pending.spec is not None:
                 raise self._refuse_assigned(
                     pending.spec, resource, pending.assigned, len(ids), size
@@ -423,14 +497,14 @@ class Ledger:
             self._validate_partial(request)
         assigned: tuple[CardUuid, ...] | None = None
         if must:
-            cards = tuple(dict.fromkeys(self._index[d][0] for d in must))
+            cards = tuple(dict.fromkeys(self._card_uuid(d) for d in must))
         elif spec is not None and spec.assigned is not None:
             cards = assigned = self._assigned(spec)
         elif request.whole_cards:
             cards = self._choose_whole(request, resource, offered)
         else:
             cards = (self._choose_fractional(request, resource, offered, spec is not None),)
-        ids = self._ids_on(cards, avail, must, size)
+        ids = self._ids_on(cards, avail, must, size, known)
         if len(ids) < size and spec is not None and assigned is not None:
             raise self._refuse_assigned(spec, resource, assigned, len(ids), size)
         if len(ids) < size:
@@ -553,6 +627,17 @@ class Ledger:
             if placement.owner is None:
                 self.placements[pending.key] = replace(placement, owner=spec.owner())
 
+    def awaits_more(self, key: str) -> bool:
+        """Is `key` the in-flight container whose pod asks another resource still
+        to be allocated? (Known from its pod spec; never assumed without one.)"""
+        pending = self._pending
+        return (
+            pending is not None
+            and pending.key == key
+            and pending.expected is not None
+            and not pending.expected <= pending.allocated
+        )
+
     def blind_pending_key(self) -> str | None:
         """The in-flight placement made without pod information, if any."""
         pending = self._pending
@@ -636,13 +721,23 @@ class Ledger:
         """Checks that hold without knowing the container's other resource."""
         self.validate_request(replace(request, memory_units=max(request.memory_units, 1)))
 
-    def _known(self, resource: Resource, ids: Iterable[str]) -> list[DeviceId]:
-        """The advertised IDs of `resource` among `ids` (others are ignored)."""
-        out = []
+    def _known_map(
+        self, resource: Resource | None, ids: Iterable[str]
+    ) -> dict[DeviceId, tuple[CardUuid, Resource, int]]:
+        """The slices of `resource` (any, for None) among `ids`, in their order,
+        with what each names; one pass (this walks every offered ID)."""
+        index = self._index
+        out: dict[DeviceId, tuple[CardUuid, Resource, int]] = {}
         for raw in ids:
-            found = self._index.get(raw)
-            if found is not None and found[1] is resource:
-                out.append(DeviceId(raw))
+            found = index.get(raw)
+            if found is None:
+                if "." in raw:
+                    continue
+                found = self.lookup(raw)
+                if found is None:
+                    continue
+            if resource is None or found[1] is resource:
+                out[DeviceId(raw)] = found
         return out
 
     def _check_ids(self, resource: Resource, ids: Sequence[str], what: str) -> None:
@@ -653,18 +748,22 @@ class Ledger:
         unknown: list[str] = []
         other: list[str] = []
         for raw in ids:
-            found = self._index.get(raw)
+            found = self.lookup(raw)
             if found is None:
                 unknown.append(raw)
             elif found[1] is not resource:
                 other.append(raw)
         for raw in unknown:
             try:
-                card = parse_device_id(raw)[0]
+                ref = parse_device_id(raw)
             except UnknownDevice:
                 continue
-            gone = self._seen.get(card)
-            if gone is not None and card not in self.cards:
+            gone = next(
+                (c for c in self._seen.values() if c.uuid not in self.cards and ref.names(c)),
+                None,
+            )
+            if gone is not None:
+                card = gone.uuid
                 raise UnknownCard(
                     f"{what} names card {card} (index {gone.index}), which is no longer on "
                     "this node (it disappeared from the GPU backend); nothing is placed on it. "
@@ -726,9 +825,7 @@ class Ledger:
                 self._note_reuse(resource, held)
                 return held
 
-        cards = tuple(
-            sorted({parse_device_id(d)[0] for d in ids}, key=lambda c: self.cards[c].index)
-        )
+        cards = tuple(sorted({self._card_uuid(d) for d in ids}, key=lambda c: self.cards[c].index))
         joins = (
             pending is not None
             and resource not in pending.allocated
@@ -843,6 +940,12 @@ class Ledger:
                 allocated={resource},
             )
         return placement
+
+    def _card_uuid(self, device_id: str) -> CardUuid:
+        """The card of an ID already checked to be a present card's slice."""
+        found = self.lookup(device_id)
+        assert found is not None, device_id
+        return found[0]
 
     def _fresh_key(self, ids: frozenset[DeviceId]) -> str:
         """The key of a new placement: from its IDs, made unique if a placement

@@ -1,10 +1,11 @@
 """The scheduler extender's service: the ClusterBook behind a lock, fed by the
 watch caches, answering filter, prioritize and bind.
 
-filter and prioritize read only memory. bind serializes per node: under the
-node's lock it checks the pod still fits, records an assumption (so parallel
-binding cycles never give the same room twice), writes the assignment
-annotation and the Binding, and drops the assumption if either write fails.
+filter and prioritize read only memory. bind serializes only the in-memory
+part: under the book's lock it checks the pod still fits and records
+an assumption (so parallel binding cycles never give the same room twice);
+then, outside any lock, it makes one API call (a Binding whose metadata
+carries the assignment annotation), and drops the assumption if it fails.
 An assumption that succeeded is held until the pod cache shows the pod bound.
 """
 
@@ -44,7 +45,6 @@ class ExtenderService:
         self.events = events or (lambda kind: None)
         self.book = ClusterBook(domain)
         self._lock = threading.Lock()
-        self._node_locks: dict[str, threading.Lock] = {}
         self._binding: set[str] = set()  # pod uids with a bind in flight
         self._synced: dict[str, bool] = {"nodes": False, "pods": False}
         self._ever_synced: dict[str, bool] = {"nodes": False, "pods": False}
@@ -118,10 +118,6 @@ class ExtenderService:
         with self._lock:
             return self.book.prioritize(pod.specs, nodes, self.policy)
 
-    def _node_lock(self, node: str) -> threading.Lock:
-        with self._lock:
-            return self._node_locks.setdefault(node, threading.Lock())
-
     def bind(self, request: BindRequest) -> str:
         who = f"pod {request.namespace}/{request.name}"
         if not self.ready():
@@ -152,27 +148,28 @@ class ExtenderService:
                 return f"vgpu: cannot bind {who}: its UID is now {cached.uid} (recreated)"
         if cached.node:
             return f"vgpu: {who} is already bound to node {cached.node}"
-        with self._node_lock(request.node):
-            with self._lock:
-                try:
-                    plan = self.book.plan(cached.specs, request.node)
-                except (NodeUnusable, NoRoom, InvalidRequest) as exc:
-                    why = exc.why if isinstance(exc, NoRoom) else str(exc)
-                    self.events("bind_refused")
-                    log.info("bind of %s to %s refused: %s", who, request.node, why)
-                    return f"vgpu: {who} no longer fits on node {request.node}: {why}"
-                self.book.assume(request.uid, request.node, cached.specs, plan)
-            assignment = format_assignment(request.node, plan.cards)
+        # The critical section covers only the in-memory plan and assumption
+        # (microseconds): the API call runs outside it, so binds to one node
+        # proceed at once, and the assumption, made in the same section as the
+        # plan, keeps any of them from being given the same room.
+        with self._lock:
             try:
-                self.binder.bind(
-                    request.namespace, request.name, request.uid, request.node, assignment
-                )
-            except BindError as exc:
-                with self._lock:
-                    self.book.forget(request.uid)
-                self.events("bind_failed")
-                log.warning("bind of %s to %s failed: %s", who, request.node, exc)
-                return f"vgpu: binding {who} to {request.node} failed: {exc}"
+                plan = self.book.plan(cached.specs, request.node)
+            except (NodeUnusable, NoRoom, InvalidRequest) as exc:
+                why = exc.why if isinstance(exc, NoRoom) else str(exc)
+                self.events("bind_refused")
+                log.info("bind of %s to %s refused: %s", who, request.node, why)
+                return f"vgpu: {who} no longer fits on node {request.node}: {why}"
+            self.book.assume(request.uid, request.node, cached.specs, plan)
+        assignment = format_assignment(request.node, plan.cards)
+        try:
+            self.binder.bind(request.namespace, request.name, request.uid, request.node, assignment)
+        except BindError as exc:
+            with self._lock:
+                self.book.forget(request.uid)
+            self.events("bind_failed")
+            log.warning("bind of %s to %s failed: %s", who, request.node, exc)
+            return f"vgpu: binding {who} to {request.node} failed: {exc}"
         self.events("bound")
         log.info(
             "bound %s to %s: %s",

@@ -29,6 +29,7 @@ from vgpu.adapters.nodefile import node_document, write_node_file
 from vgpu.adapters.podresources import PodResourcesClient, PodResourcesUnavailable
 from vgpu.core.annotations import format_inventory, node_key, placements_key
 from vgpu.core.contract import (
+    ContainerEdits,
     card_node,
     container_edits,
     judge_nodes,
@@ -49,12 +50,12 @@ from vgpu.core.model import (
 )
 from vgpu.core.packing import Ledger, placement_key
 from vgpu.core.reuse import Holder, KubeletListing, judge_holder
-from vgpu.core.slicing import card_device_ids
 
 log = logging.getLogger("vgpu")
 
 OWNER_SYNC_DELAY_S = 0.3
 ANNOTATE_RETRY_S = 30.0  # re-queue a pod annotation the cache does not show after this
+EMPTY_ANSWER = ContainerEdits(envs={})  # a container's second answer that adds nothing
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,15 @@ class PluginService:
         # device list strategy; the composition root sets both.
         self.devices: HostDevices | None = None
         self.delivery: Delivery = EnvvarDelivery()
+        self._legacy_published = 0  # ledger.legacy_version the device lists show
+        # (key, resources answered, answer) of the last container: _deduplicated().
+        self._last_answer: tuple[str, frozenset[Resource], AllocationAnswer] | None = None
+
+    def _republish_if_legacy_changed(self) -> None:
+        """A slice held under a legacy ID was released (or one arrived): the
+        advertised lists switch that slice's ID. Called under the lock."""
+        if self.ledger.legacy_version != self._legacy_published:
+            self._publish()
 
     # ------------------------------------------------------------ cards
 
@@ -230,12 +240,13 @@ class PluginService:
 
     def _publish(self) -> None:
         """Rebuild the advertised lists (only on change) and wake ListAndWatch."""
+        self._legacy_published = self.ledger.legacy_version
         views: dict[Resource, tuple[DeviceView, ...]] = {}
         for resource in Resource:
             views[resource] = tuple(
                 DeviceView(device_id, card.healthy, card.numa_node)
                 for card in sorted(self.ledger.cards.values(), key=lambda c: c.index)
-                for device_id in card_device_ids(card, resource, self.options.memory_unit_mib)
+                for device_id in self.ledger.advertised(card, resource)
             )
         with self._dev_cond:
             self._views = views
@@ -419,7 +430,9 @@ class PluginService:
                     self._ensure_hook(placement)
                     if placement.key not in known:
                         self._clear_directory(placement.key)
-                    self._write(placement)
+                    # One durable write per container: the record written for
+                    # its first resource is replaced at its second (same key).
+                    self._write(placement, durable=not self.ledger.awaits_more(placement.key))
                 except StateUnwritable:
                     self.ledger.release(placement.key)
                     if placement.key in known:
@@ -436,7 +449,8 @@ class PluginService:
                     f"{self.resource_name(resource)} x{len(device_ids)}",
                 )
                 self.events("placement", {"key": placement.key, "resource": resource.value})
-            answer = self.answer(placement)
+            self._republish_if_legacy_changed()
+            answer = self._deduplicated(placement.key, resource, self.answer(placement))
             # A container placed without pod information, at its first resource.
             blind_key = self.ledger.blind_pending_key()
             first = blind_key == placement.key and len(placement.ids) == 1
@@ -444,6 +458,22 @@ class PluginService:
             pods = self._listed_pods()
             self._blind_pods = (blind_key, pods) if pods is not None else None
         self._schedule_owner_sync()
+        return answer
+
+    def _deduplicated(
+        self, key: str, resource: Resource, answer: AllocationAnswer
+    ) -> AllocationAnswer:
+        """The answer for a container's second resource is empty when the first
+        resource's answer already said exactly this: the kubelet merges the
+        answers of a container's resources (so the container gets the same
+        contract) and saves each in its checkpoint (so it stays half as big).
+        Called under the lock."""
+        last = self._last_answer
+        if last is not None and last[0] == key and resource not in last[1] and last[2] == answer:
+            self._last_answer = (key, last[1] | {resource}, answer)
+            return EMPTY_ANSWER
+        # A new container (also one reusing its init container's placement).
+        self._last_answer = (key, frozenset({resource}), answer)
         return answer
 
     def _listed_pods(self) -> frozenset[tuple[str, str]] | None:
@@ -536,10 +566,10 @@ class PluginService:
             self._note_state(error)
             raise error from failed
 
-    def _write(self, placement: Placement) -> None:
+    def _write(self, placement: Placement, durable: bool = True) -> None:
         """Write a placement's record; a named StateUnwritable when the disk refuses."""
         try:
-            self.store.write(placement)
+            self.store.write(placement, durable=durable)
         except OSError as exc:
             error = state_error(
                 exc.errno,
@@ -656,6 +686,7 @@ class PluginService:
         self.delivery.forget(key)
         log.info("released %s: %s", key, why)
         self.events("release", {"key": key})
+        self._republish_if_legacy_changed()
 
     def _schedule_owner_sync(self) -> None:
         if self.podresources is None or self._closed:
@@ -712,6 +743,7 @@ class PluginService:
                 self._forget(placement.key, f"no live container holds it ({reason})")
             for (namespace, pod, container), held in by_container.items():
                 self._adopt_or_name(namespace, pod, container, held, annotate)
+            self._republish_if_legacy_changed()
             keep = set(self.ledger.placements)
             for key in self.store.record_keys():
                 if key not in keep:
@@ -846,6 +878,7 @@ class PluginService:
                     self.answer(placement)
                 except OSError as exc:
                     log.warning("cannot hand %s over again: %s", placement.key, exc)
+            self._republish_if_legacy_changed()
         log.info(
             "recovered %d placement(s) from %s (%d unreadable)",
             len(placements),

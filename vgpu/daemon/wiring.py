@@ -66,6 +66,7 @@ BUDGET_CHECK_INTERVAL_S = 1.0  # how soon a grown budget file is cut back
 STATE_RETRY_S = 1.0
 STOP_TIMEOUT_S = 4.0
 DEVICE_NODE_CHECK_S = 5.0  # how soon a card whose device node vanished turns unhealthy
+START_SYNC_WAIT_S = 5.0  # longest start-up wait for the pod cache before registering
 
 
 def socket_name(resource: Resource) -> str:
@@ -295,6 +296,11 @@ class Daemon:
                 card.minor,
                 card.numa_node,
             )
+        # The pod cache first: importing the kubernetes client and listing the
+        # node's pods take seconds, and an admission must never wait for them
+        # (issue 19: the first admission after start waited 685 ms).
+        self.pods.start(self.stop)
+        self.node_publisher.start(self.stop)
         s.device_plugin_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.store.prepare()
@@ -308,14 +314,13 @@ class Daemon:
             )
         self._install_hook()
         self.service.recover()
-        self.pods.start(self.stop)
-        self.node_publisher.start(self.stop)
         if s.metrics_address:
             from vgpu.daemon.metrics import Metrics
 
             self.metrics = Metrics(self, container_names=s.metrics_container_names)
             self.metrics.serve(s.metrics_address)
         self._serve()
+        self._await_pod_cache()
         self._try_register()
         self._spawn("backend-watch", self._watch_backend)
         self._spawn("plugin-dir-watch", self.watcher.run, self.stop, self._current_registration)
@@ -327,6 +332,27 @@ class Daemon:
 
     def _device_node_loop(self) -> None:
         device_node_watch(self.service.check_device_nodes, self.stop)
+
+    def _await_pod_cache(self) -> None:
+        """Register only once the pod cache is synced (bounded): the first
+        admission then finds its pod in memory, as fast as the tenth. An API
+        server that does not answer in time only delays start-up by the bound;
+        admissions then use the fallback rule until the cache syncs."""
+        if not self.pods.enabled:
+            return
+        deadline = time.monotonic() + START_SYNC_WAIT_S
+        seen = self.pods.version()
+        while not self.pods.synced() and not self.stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "the pod cache did not sync within %.0f s; registering anyway (admissions "
+                    "use the fallback rule until it does)",
+                    START_SYNC_WAIT_S,
+                )
+                return
+            self.pods.wait_change(seen, min(left, 0.2))
+            seen = self.pods.version()
 
     def _install_hook(self) -> None:
         """Install the hook library; a disk that refuses does not stop start-up."""

@@ -17,7 +17,9 @@ client to list, get, watch and patch Pods and Nodes against it:
   ``/apis``, and the server's ResourceSlice validation (capacity request
   policies: default and max on min's step grid, min + step within the value)
 * ``POST /api/v1/namespaces/{ns}/pods/{name}/binding`` (what a scheduler, or a
-  scheduler extender with a bind verb, calls to bind a pod to a node)
+  scheduler extender with a bind verb, calls to bind a pod to a node); the
+  Binding's own ``metadata.annotations`` and ``metadata.labels`` are merged into
+  the pod in the same write as ``spec.nodeName``, as the real registry does
 * ``POST /api/v1/namespaces/{ns}/pods/{name}/eviction`` (policy/v1 Eviction: the
   pod is deleted at once, no disruption budgets; :attr:`FakeApiServer.evictions`)
 * ``POST /api/v1/namespaces/{ns}/events`` (core/v1 Event, kept in
@@ -1388,6 +1390,7 @@ class FakeApiServer:
         node = target.get("name")
         if not isinstance(node, str) or not node or target.get("kind") not in (None, "", "Node"):
             raise _ApiError(422, 'Binding.core "' + name + '" is invalid: target.name: Required')
+        carried = _binding_metadata(meta, name)
         with self._cond:
             key = (namespace, name)
             cur = self._store["pods"].get(key)
@@ -1414,6 +1417,11 @@ class FakeApiServer:
                 )
             new = copy.deepcopy(cur)
             new.setdefault("spec", {})["nodeName"] = node
+            # The Binding's own annotations and labels are merged into the pod
+            # in this same write (the registry's setPodNodeAndMetadata).
+            for field_name, merged in carried.items():
+                if merged:
+                    new["metadata"].setdefault(field_name, {}).update(merged)
             status = new.setdefault("status", {})
             conditions = [
                 c for c in status.get("conditions") or [] if c.get("type") != "PodScheduled"
@@ -1814,3 +1822,24 @@ def _webhook_object_route(segs: list[str]) -> tuple[str, str, str] | None:
     if group and segs[3] in _WEBHOOK_RESOURCES and segs[3] != "secrets":
         return segs[3], "", segs[4] if len(segs) == 5 else ""
     return None
+
+
+def _binding_metadata(meta: JSON, name: str) -> dict[str, dict[str, str]]:
+    """A Binding's metadata.annotations and metadata.labels, checked as the API
+    server validates object metadata (string to string); 422 otherwise."""
+    out: dict[str, dict[str, str]] = {}
+    for field_name in ("annotations", "labels"):
+        value = meta.get(field_name)
+        if value is None:
+            out[field_name] = {}
+            continue
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, str) for k, v in value.items()
+        ):
+            raise _ApiError(
+                422,
+                f'Binding.core "{name}" is invalid: metadata.{field_name}: Invalid value: '
+                "must be a map of non-empty string keys to string values",
+            )
+        out[field_name] = dict(value)
+    return out

@@ -58,6 +58,7 @@ from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
 from vgpu.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from vgpu.pb import podresources_v1_pb2 as pr
 from vgpu.pb import podresources_v1_pb2_grpc as pr_grpc
+from vgpu.sim import checkpoint
 
 __all__ = [
     "API_VERSION",
@@ -82,6 +83,7 @@ NODE_WITHOUT_TOPOLOGY = -1
 
 CALL_PREFERRED = "GetPreferredAllocation"
 CALL_ALLOCATE = "Allocate"
+CALL_CHECKPOINT = "checkpoint write"
 
 _POLL_S = 0.05
 
@@ -300,6 +302,8 @@ class _PodState:
     containers: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     #: resource -> IDs held by init containers and not yet reused by an app container.
     reusable: dict[str, list[str]] = field(default_factory=dict)
+    #: (container, resource) -> the Allocate response, serialized (the checkpoint keeps it).
+    responses: dict[tuple[str, str], bytes] = field(default_factory=dict)
 
 
 def _is_extended_resource_name(name: str) -> bool:
@@ -383,8 +387,13 @@ class KubeletSimulator:
         dial_timeout_s: float = 10.0,
         rpc_timeout_s: float | None = None,
         workers: int = 8,
+        write_checkpoint: bool = True,
     ) -> None:
         self.plugin_dir = Path(plugin_dir).absolute()
+        #: Like the kubelet: the checkpoint is rewritten (fsync'ed) after every allocation.
+        self.write_checkpoint = write_checkpoint
+        self.checkpoint_path = self.plugin_dir / checkpoint.CHECKPOINT_NAME
+        self.checkpoint_bytes = 0  # size of the last checkpoint written
         self.socket_path = self.plugin_dir / KUBELET_SOCKET
         self.pod_resources_socket = (
             Path(pod_resources_socket).absolute() if pod_resources_socket is not None else None
@@ -742,6 +751,80 @@ class KubeletSimulator:
             if self._pods.pop(uid, None) is not None:
                 self._bump()
 
+    # ---- the checkpoint ------------------------------------------------------------------------
+
+    def checkpoint_payload(self) -> bytes:
+        """The checkpoint as the kubelet would write it now: every registered ID of every
+        resource, and each active container's IDs and Allocate response per resource."""
+        with self._lock:
+            entries = []
+            for uid, st in self._pods.items():
+                for name, per_resource in st.containers.items():
+                    for resource, ids in per_resource.items():
+                        res = self._resources.get(resource)
+                        by_node: dict[int, list[str]] = {}
+                        for dev in ids:
+                            topo = (res.topology.get(dev) if res is not None else None) or [
+                                NODE_WITHOUT_TOPOLOGY
+                            ]
+                            by_node.setdefault(topo[0], []).append(dev)
+                        entries.append(
+                            checkpoint.Entry(
+                                uid,
+                                name,
+                                resource,
+                                by_node,
+                                st.responses.get((name, resource), b""),
+                            )
+                        )
+            registered = {r: list(res.devices) for r, res in self._resources.items()}
+        return checkpoint.encode(entries, registered)
+
+    def save_checkpoint(self) -> int:
+        """Rewrite the checkpoint file (temp file, fsync, rename); returns its size."""
+        payload = self.checkpoint_payload()
+        checkpoint.write(self.checkpoint_path, payload)
+        self.checkpoint_bytes = len(payload)
+        return len(payload)
+
+    def load_checkpoint(self, pods: Sequence[SimPod], path: Path | None = None) -> int:
+        """Start from a kubelet checkpoint (e.g. one written by an older plugin version):
+        the entries of `pods` (matched by UID; the checkpoint has no names) become active
+        allocations, as after a kubelet restart. Returns the number of entries loaded."""
+        entries, _ = checkpoint.decode((path or self.checkpoint_path).read_bytes())
+        by_uid = {p.uid: p for p in pods}
+        loaded = 0
+        with self._lock:
+            for e in entries:
+                pod = by_uid.get(e.pod_uid)
+                if pod is None:
+                    continue
+                st = self._pods.setdefault(pod.uid, _PodState(pod))
+                ids = [d for n in sorted(e.device_ids) for d in e.device_ids[n]]
+                st.containers.setdefault(e.container, {})[e.resource] = ids
+                st.responses[(e.container, e.resource)] = e.alloc_resp
+                loaded += 1
+            self._bump()
+        return loaded
+
+    def readmission_problems(self) -> list[str]:
+        """What re-admitting the active pods would refuse, as after a kubelet restart:
+        every recorded ID must still be advertised, and healthy."""
+        problems = []
+        with self._lock:
+            for st in self._pods.values():
+                for name, per_resource in st.containers.items():
+                    for resource, ids in per_resource.items():
+                        res = self._resources.get(resource)
+                        devices = res.devices if res is not None else {}
+                        bad = [d for d in ids if devices.get(d) != HEALTHY]
+                        if bad:
+                            problems.append(
+                                f"pod {st.pod.namespace}/{st.pod.name} container {name}: "
+                                f"{resource} IDs not advertised or unhealthy: {bad[:3]}"
+                            )
+        return problems
+
     def _held(self, resource: str) -> set[str]:
         # Caller holds self._lock.
         held: set[str] = set()
@@ -875,12 +958,19 @@ class KubeletSimulator:
             result.merge(resource, answer)
             with self._lock:
                 state.containers.setdefault(container.name, {})[resource] = list(taken)
+                state.responses[(container.name, resource)] = answer.SerializeToString()
                 reusable = state.reusable.setdefault(resource, [])
                 if is_init:
                     reusable.extend(d for d in taken if d not in reusable)
                 else:
                     reusable[:] = [d for d in reusable if d not in taken]
                 self._bump()
+            if self.write_checkpoint:
+                start = time.perf_counter()
+                self.save_checkpoint()
+                admission.latencies_s.setdefault(CALL_CHECKPOINT, []).append(
+                    time.perf_counter() - start
+                )
         with self._lock:
             state.containers.setdefault(container.name, {})
 

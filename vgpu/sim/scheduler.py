@@ -115,6 +115,7 @@ class SchedulerStandIn:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(bind_workers, thread_name_prefix="sim-sched-bind")
+        self._conns = threading.local()  # kept-alive HTTP connections, per thread
 
     # ------------------------------------------------------------ lifecycle
 
@@ -143,7 +144,12 @@ class SchedulerStandIn:
             seen = self.api.wait_for_change(seen, 0.05)
             now = time.monotonic()
             queue = []
-            for pod in self.api.pods():
+            # One snapshot per pass, as kube-scheduler schedules from its cache:
+            # the node list and what bound pods use (assumed pods are added per pod).
+            pods = self.api.pods()
+            nodes = [n for n in self.api.nodes() if not (n.get("spec") or {}).get("unschedulable")]
+            used = self._bound_usage(pods)
+            for pod in pods:
                 spec, meta = pod.get("spec") or {}, pod["metadata"]
                 if spec.get("schedulerName") != self.scheduler_name or spec.get("nodeName"):
                     continue
@@ -158,7 +164,7 @@ class SchedulerStandIn:
             for pod in queue:
                 if self._stop.is_set():
                     return
-                self._schedule_one(pod)
+                self._schedule_one(pod, nodes, used)
 
     def _backoff(self, uid: str, error: str) -> None:
         with self._lock:
@@ -202,21 +208,43 @@ class SchedulerStandIn:
                 out[r] = max(out.get(r, 0), n)
         return out
 
-    def _fits_totals(self, pod: dict[str, Any], nodes: list[dict[str, Any]]) -> dict[str, str]:
-        """NodeResourcesFit on the managed resources: node name -> reason for those failing."""
-        wanted = self._requests(pod)
+    def _bound_usage(self, pods: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+        """node -> resource -> what its bound, active pods ask; and forget the
+        assumptions of pods this snapshot shows bound (or gone)."""
         used: dict[str, dict[str, int]] = {}
-        for other in self.api.pods():
+        bound: set[str] = set()
+        present: set[str] = set()
+        for other in pods:
+            present.add(other["metadata"]["uid"])
             node = (other.get("spec") or {}).get("nodeName")
             if node and (other.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+                bound.add(other["metadata"]["uid"])
                 for r, n in self._requests(other).items():
                     used.setdefault(node, {})[r] = used.setdefault(node, {}).get(r, 0) + n
         with self._lock:
-            for uid, (node, requests) in self._assumed.items():
+            for uid in list(self._assumed):
+                done = uid in bound or uid not in present
+                if done and not self._pods.get(uid, _PodState()).binding:
+                    self._assumed.pop(uid, None)
+        return used
+
+    def _fits_totals(
+        self,
+        pod: dict[str, Any],
+        nodes: list[dict[str, Any]],
+        bound_used: dict[str, dict[str, int]] | None = None,
+    ) -> dict[str, str]:
+        """NodeResourcesFit on the managed resources: node name -> reason for those failing."""
+        wanted = self._requests(pod)
+        if bound_used is None:
+            bound_used = self._bound_usage(self.api.pods())
+        used = {host: dict(per) for host, per in bound_used.items()}
+        with self._lock:
+            for uid, (host, requests) in self._assumed.items():
                 if uid == pod["metadata"]["uid"]:
                     continue
                 for r, n in requests.items():
-                    used.setdefault(node, {})[r] = used.setdefault(node, {}).get(r, 0) + n
+                    used.setdefault(host, {})[r] = used.setdefault(host, {}).get(r, 0) + n
         failed = {}
         for node in nodes:
             name = node["metadata"]["name"]
@@ -227,13 +255,19 @@ class SchedulerStandIn:
                     break
         return failed
 
-    def _schedule_one(self, pod: dict[str, Any]) -> None:
+    def _schedule_one(
+        self,
+        pod: dict[str, Any],
+        nodes: list[dict[str, Any]] | None = None,
+        used: dict[str, dict[str, int]] | None = None,
+    ) -> None:
         meta = pod["metadata"]
         uid = meta["uid"]
         with self._lock:
             self._pods.setdefault(uid, _PodState()).attempts += 1
-        nodes = [n for n in self.api.nodes() if not (n.get("spec") or {}).get("unschedulable")]
-        reasons = self._fits_totals(pod, nodes)
+        if nodes is None:
+            nodes = [n for n in self.api.nodes() if not (n.get("spec") or {}).get("unschedulable")]
+        reasons = self._fits_totals(pod, nodes, used)
         feasible = [n for n in nodes if n["metadata"]["name"] not in reasons]
         interested = self.interested(pod)
         try:
@@ -356,7 +390,7 @@ class SchedulerStandIn:
             self._backoff(meta["uid"], f"binding rejected: {exc}")
             return
         with self._lock:
-            self._assumed.pop(meta["uid"], None)
+            # The assumption stays until a snapshot shows the pod bound (_bound_usage).
             state = self._pods.setdefault(meta["uid"], _PodState())
             state.binding = False
             state.next_try = float("inf")  # bound: never again
@@ -377,19 +411,33 @@ class SchedulerStandIn:
     # ------------------------------------------------------------------ HTTP
 
     def _request(self, base: str, path: str, body: Any) -> tuple[int, bytes]:
+        """POST over a kept-alive connection per thread and server, as Go's HTTP
+        client does for kube-scheduler; a broken one is replaced once."""
         url = urlsplit(base)
-        conn = http.client.HTTPConnection(
-            url.hostname or "127.0.0.1", url.port or 80, timeout=self.http_timeout_s
+        target = (url.hostname or "127.0.0.1", url.port or 80)
+        payload = json.dumps(body).encode()
+        conns: dict[tuple[str, int], http.client.HTTPConnection] = self._conns.__dict__.setdefault(
+            "by_target", {}
         )
-        try:
-            payload = json.dumps(body).encode()
-            conn.request("POST", path, payload, {"Content-Type": "application/json"})
-            reply = conn.getresponse()
-            return reply.status, reply.read()
-        except OSError as exc:
-            raise ExtenderError(f"{type(exc).__name__}: {exc}") from None
-        finally:
-            conn.close()
+        for attempt in (1, 2):
+            conn = conns.get(target)
+            if conn is None:
+                conn = http.client.HTTPConnection(*target, timeout=self.http_timeout_s)
+                conns[target] = conn
+            try:
+                conn.request("POST", path, payload, {"Content-Type": "application/json"})
+                reply = conn.getresponse()
+                data = reply.read()
+                if reply.getheader("Connection", "").lower() == "close":
+                    conn.close()
+                    conns.pop(target, None)
+                return reply.status, data
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                conns.pop(target, None)
+                if attempt == 2 or isinstance(exc, TimeoutError):
+                    raise ExtenderError(f"{type(exc).__name__}: {exc}") from None
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _post(self, verb: str, args: Any) -> Any:
         url = urlsplit(self.extender_url)
