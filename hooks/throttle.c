@@ -190,11 +190,49 @@ static double clamp(double v, double lo, double hi)
     return v < lo ? lo : v > hi ? hi : v;
 }
 
+/*
+ * The limit in force: the allowed share the node daemon's arbiter writes into
+ * the budget file while its sequence keeps moving, else the guarantee
+ * (VGPU_CORE_LIMIT) as a fixed cap.  A stopped daemon is noticed once the
+ * sequence has not moved for VGPU_ARBITER_STALE_MS.
+ */
+static struct {
+    uint64_t seq;
+    long long seen_at;
+    int following;
+} arb;
+
+static double current_limit(void)
+{
+    static int said_stale;
+    double guarantee = vgpu_cfg.core_percent;
+    uint64_t word = vgpu_budget_arbiter();
+    uint64_t seq = word >> VGPU_ARBITER_SEQ_SHIFT, centi = word & VGPU_ARBITER_SHARE_MASK;
+    long long t = now_ns();
+    if (seq && seq != arb.seq) {
+        arb.seq = seq;
+        arb.seen_at = t;
+    }
+    int fresh = arb.seq && t - arb.seen_at <= VGPU_ARBITER_STALE_MS * 1000000ll && centi <= 10000;
+    if (fresh != arb.following) {
+        arb.following = fresh;
+        if (fresh)
+            VGPU_TRACE("following the node's compute arbiter (allowed %.2f%%)", centi / 100.0);
+        else if (arb.seq)
+            vgpu_log(&said_stale, "the node's compute arbiter stopped updating the budget "
+                     "file: back to the guarantee of %d%% as a fixed cap", vgpu_cfg.core_percent);
+    }
+    if (!fresh)
+        return guarantee;
+    double allowed = centi / 100.0;
+    return allowed < 0.5 ? 0.5 : allowed;
+}
+
 static void *controller(void *arg)
 {
     static int logged;
     (void)arg;
-    double limit = vgpu_cfg.core_percent, gain = 1;
+    double limit = current_limit(), gain = 1;
     unsigned long long seen = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
     long long since = now_ns();
     int unsupported = 0;
@@ -209,6 +247,7 @@ static void *controller(void *arg)
     for (unsigned long tick = 1;; tick++) {
         sleep_ns(REFILL_NS);
         if (tick % CONTROL_EVERY == 0) {
+            limit = current_limit();
             long long t = now_ns(), dt = t - since;
             unsigned long long count = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
             w.launches += count - seen;
@@ -444,6 +483,7 @@ void vgpu_throttle_after_fork(void)
     if (state == RUNNING)
         state = OFF_UNKNOWN;
     engaged = 0;
+    memset(&arb, 0, sizeof(arb));
 }
 
 /* ---- launch wrappers ---- */

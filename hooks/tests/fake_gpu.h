@@ -29,7 +29,7 @@
 
 #define FAKE_CARDS 2
 #define FAKE_MAX_DEV 16
-#define FAKE_MAX_PROCS 64
+#define FAKE_MAX_PROCS 512
 #define FAKE_RING 256
 
 struct fake_proc {
@@ -91,12 +91,21 @@ static inline struct fake_gpu *fake_gpu(void)
     return g;
 }
 
+static inline int fake_alive(int32_t pid);
+
+/* The lock word holds its owner's pid: one killed holding it (kill -9 in a
+ * start-up storm) is seen dead and the lock taken over. */
 static inline void fake_lock(struct fake_gpu *g)
 {
-    uint32_t zero = 0;
-    while (!__atomic_compare_exchange_n(&g->lock, &zero, 1, 0, __ATOMIC_ACQUIRE,
-                                        __ATOMIC_RELAXED)) {
-        zero = 0;
+    uint32_t seen = 0, me = (uint32_t)getpid();
+    for (unsigned spins = 0;
+         !__atomic_compare_exchange_n(&g->lock, &seen, me, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
+         spins++) {
+        if (seen != 0 && spins % 256 == 255 && !fake_alive((int32_t)seen) &&
+            __atomic_compare_exchange_n(&g->lock, &seen, me, 0, __ATOMIC_ACQUIRE,
+                                        __ATOMIC_RELAXED))
+            return;
+        seen = 0;
         sched_yield();
     }
 }

@@ -20,6 +20,7 @@
 #define INVALID_ARGUMENT 2
 
 nvmlReturn_t nvmlInit_v2(void) { return NVML_SUCCESS; }
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags) { (void)flags; return NVML_SUCCESS; }
 nvmlReturn_t nvmlShutdown(void) { return NVML_SUCCESS; }
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *n) { *n = FAKE_CARDS; return NVML_SUCCESS; }
 
@@ -47,6 +48,20 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *out, unsigned int len)
     if (!out || len < 41)
         return NVML_ERROR_INSUFFICIENT_SIZE;
     uuid_text(card_of(d), out, len);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *out, unsigned int len)
+{
+    if (!out || len < 16)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    snprintf(out, len, "Stand-in GPU %d", card_of(d));
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t d, unsigned int *minor)
+{
+    *minor = (unsigned int)card_of(d);
     return NVML_SUCCESS;
 }
 
@@ -161,6 +176,14 @@ nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizat
     struct fake_gpu *g = fake_gpu();
     int card = card_of(d);
     unsigned int n = 0;
+    if (!s) { /* the size query, as the real NVML answers it: nothing consumed */
+        fake_lock(g);
+        for (int i = 0; i < FAKE_MAX_PROCS; i++)
+            n += fake_alive(g->procs[i].pid) && (g->procs[i].ctx_mask & (1u << card));
+        fake_unlock(g);
+        *count = n;
+        return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_ERROR_NOT_FOUND;
+    }
     struct timespec wall;
     clock_gettime(CLOCK_REALTIME, &wall);
     unsigned long long stamp = (unsigned long long)wall.tv_sec * 1000000ull + wall.tv_nsec / 1000;
