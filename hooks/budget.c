@@ -575,3 +575,10 @@ uint64_t vgpu_budget_arbiter(void)
     struct vgpu_shared *s = budget();
     return shm_private ? 0 : __atomic_load_n(&s->arbiter, __ATOMIC_ACQUIRE);
 }
+
+void vgpu_budget_note_wait(void)
+{
+    struct vgpu_shared *s = __atomic_load_n(&shm, __ATOMIC_ACQUIRE);
+    if (s && !shm_private)
+        __atomic_fetch_add(&s->throttle_waits, 1, __ATOMIC_RELAXED);
+}

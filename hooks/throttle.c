@@ -12,7 +12,7 @@
  *  - a launch waits while the bucket is empty and then takes its cost, which
  *    may leave it in debt: a kernel longer than the refill period delays the
  *    next launch by as long as it must, so long kernels converge too;
- *  - every 200 ms, gain <- gain x clamp(limit / utilisation, 0.8, 1.25)
+ *  - every 200 ms, gain <- gain x clamp(limit / utilisation, 0.7, 1.4)
  *    corrects what the estimates miss (other processes of the container,
  *    overlap).
  * Until the container's utilisation first exceeds the limit the bucket is not
@@ -271,6 +271,17 @@ static void *controller(void *arg)
             w.self_ns += u.self * (double)dt;
             w.dt += dt;
             int is_engaged = __atomic_load_n(&engaged, __ATOMIC_RELAXED);
+            if (limit >= 99.5) { /* the arbiter lets it have the card: nothing to hold back */
+                if (is_engaged) {
+                    __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
+                    VGPU_TRACE("throttle disengaged: the whole card is allowed");
+                }
+                w.util_ns = w.self_ns = 0;
+                w.dt = w.graphs_ns = 0;
+                w.launches = 0;
+                w.periods = 0;
+                continue;
+            }
             if (!is_engaged && u.container > limit) { /* engage at once */
                 long long k = w.launches ? (long long)(u.self / 100 * (double)dt) /
                                                (long long)(w.launches ? w.launches : 1)
@@ -304,7 +315,7 @@ static void *controller(void *arg)
                                       __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED) +
                                   w.graphs_ns;
                 double allowed = limit / 100 * gain * (double)w.dt;
-                gain = clamp(gain * clamp(limit / (util > 0.5 ? util : 0.5), 0.8, 1.25), 0.02, 50);
+                gain = clamp(gain * clamp(limit / (util > 0.5 ? util : 0.5), 0.7, 1.4), 0.02, 50);
                 if (util < limit && (double)spent * 4 < allowed &&
                     __atomic_load_n(&tokens, __ATOMIC_RELAXED) >= 0) {
                     __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
@@ -375,6 +386,8 @@ static inline void wait_tokens(long long cost)
         return;
     long long waited = 0;
     while (__atomic_load_n(&engaged, __ATOMIC_ACQUIRE)) {
+        if (waited == REFILL_NS / 2)
+            vgpu_budget_note_wait();
         if (__atomic_load_n(&tokens, __ATOMIC_ACQUIRE) > 0) {
             __atomic_fetch_sub(&tokens,
                                cost ? cost : __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED),

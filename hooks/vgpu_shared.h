@@ -72,7 +72,9 @@ struct vgpu_shared {
     uint32_t guarantee_centi;  /* the container's guarantee (1/100 %), informational */
     uint32_t cap_centi;        /* its burst cap (1/100 %), informational */
     uint32_t achieved_centi;   /* what it achieved over the last period, informational */
-    uint32_t arbiter_pad;
+    uint32_t throttle_waits;   /* written by the hooks: launches that waited for tokens
+                                  (wrapping); the arbiter's sign that the container
+                                  wants more than it is allowed */
     uint64_t used[VGPU_MAX_DEVICES]; /* sum of the slots' `used` */
     char devices[VGPU_MAX_DEVICES][VGPU_UUID_BYTES]; /* card UUID of each device entry */
     struct vgpu_slot slots[VGPU_MAX_SLOTS];

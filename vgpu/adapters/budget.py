@@ -34,7 +34,8 @@ SLOT_LOCK_BASE = 4096  # OFD lock byte of slot i: SLOT_LOCK_BASE + i, held while
 # then the slots {int32 pid, uint32 host_pid, uint64 used[16]}.
 HEADER = struct.Struct("<8IQ")
 # v3: uint64 arbiter (seq << 16 | allowed share in 1/100 %), uint32 guarantee_centi,
-# cap_centi, achieved_centi, pad: written by the node daemon only.
+# cap_centi, achieved_centi (written by the node daemon only), throttle_waits (the
+# hooks count launches that waited for tokens).
 ARBITER = struct.Struct("<Q4I")
 ARBITER_AT = HEADER.size
 ARBITER_SEQ_SHIFT = 16
@@ -231,8 +232,8 @@ def write_arbiter(
             return False
         allowed = max(0, min(10000, allowed_centi))
         word = ((seq & ((1 << 48) - 1)) << ARBITER_SEQ_SHIFT) | allowed
-        info = struct.pack("<4I", guarantee_centi, cap_centi, achieved_centi, 0)
-        os.pwrite(fd, info, ARBITER_AT + 8)
+        info = struct.pack("<3I", guarantee_centi, cap_centi, achieved_centi)
+        os.pwrite(fd, info, ARBITER_AT + 8)  # not throttle_waits: the hooks' counter
         os.pwrite(fd, struct.pack("<Q", word), ARBITER_AT)  # one aligned 8-byte store
         return True
     except OSError:
@@ -250,6 +251,7 @@ class ArbiterView:
     guarantee_percent: float
     cap_percent: float
     achieved_percent: float
+    throttle_waits: int  # the hooks' wrapping count of launches that waited
 
 
 def read_arbiter(path: Path) -> ArbiterView | None:
@@ -269,7 +271,7 @@ def read_arbiter(path: Path) -> ArbiterView | None:
         os.close(fd)
     if len(data) != ARBITER.size:
         return None
-    word, guarantee, cap, achieved, _ = ARBITER.unpack(data)
+    word, guarantee, cap, achieved, waits = ARBITER.unpack(data)
     if word >> ARBITER_SEQ_SHIFT == 0:
         return None
     return ArbiterView(
@@ -278,7 +280,26 @@ def read_arbiter(path: Path) -> ArbiterView | None:
         guarantee_percent=min(10000, guarantee) / 100,
         cap_percent=min(10000, cap) / 100,
         achieved_percent=min(10000, achieved) / 100,
+        throttle_waits=waits,
     )
+
+
+def throttle_waits(path: Path) -> int | None:
+    """The hooks' wrapping count of launches that waited for tokens; None when the
+    file is not a usable v3 budget file."""
+    opened = _open_regular(path, os.O_RDONLY)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        if not _check_format(path, fd, size):
+            return None
+        data = os.pread(fd, 4, ARBITER_AT + 20)
+    except (OSError, OldFormat):
+        return None
+    finally:
+        os.close(fd)
+    return int(struct.unpack("<I", data)[0]) if len(data) == 4 else None
 
 
 def live_host_pids(path: Path) -> frozenset[int] | None:

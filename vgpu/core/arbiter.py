@@ -57,16 +57,20 @@ def estimate_demand(
     share_percent: float,
     guarantee_percent: float,
     cap_percent: float,
+    throttled: bool | None = None,
 ) -> float:
     """What a container would use, judged from its last period.
 
-    - It achieved (about) all it was allowed: it wants as much as it may (its cap).
+    - Its hooks held launches back (`throttled`), or, where that is not known,
+      it achieved (about) all it was allowed: it wants as much as it may (its cap).
     - It achieved all of its planned share, but the card was shared: it may be
       squeezed by its neighbours, so it wants at least its guarantee and a step more.
     - Otherwise its own program is the limit: what it achieved, plus headroom.
     """
     achieved = max(0.0, min(CARD_PERCENT, achieved_percent))
-    if achieved >= allowed_percent - _press_margin(allowed_percent):
+    if throttled or (
+        throttled is None and achieved >= allowed_percent - _press_margin(allowed_percent)
+    ):
         return cap_percent
     if achieved > IDLE_PERCENT and achieved >= share_percent - _press_margin(share_percent):
         return min(cap_percent, max(guarantee_percent, share_percent + HEADROOM_PERCENT))
@@ -119,16 +123,19 @@ def arbitrate(
     achieved: Sequence[float],
     previous_allowed: Sequence[float],
     previous_share: Sequence[float],
+    throttled: Sequence[bool | None] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """One period on one card: (shares, allowances) for every container."""
+    """One period on one card: (shares, allowances) for every container.
+    `throttled`: whether each container's hooks held launches back (None: unknown)."""
+    held = list(throttled) if throttled is not None else [None] * len(guarantees)
     tenants = [
         Tenant(
             guarantee_percent=g,
             cap_percent=c,
-            demand_percent=estimate_demand(a, pa, ps, g, c),
+            demand_percent=estimate_demand(a, pa, ps, g, c, h),
         )
-        for g, c, a, pa, ps in zip(
-            guarantees, caps, achieved, previous_allowed, previous_share, strict=True
+        for g, c, a, pa, ps, h in zip(
+            guarantees, caps, achieved, previous_allowed, previous_share, held, strict=True
         )
     ]
     shares = share_out(tenants)
