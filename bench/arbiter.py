@@ -175,7 +175,7 @@ def run_scenario(
         pass
 
     def utilization(uuid: CardUuid) -> Mapping[int, float] | None:
-        util = backend.process_utilization(uuid)
+        util: Mapping[int, float] | None = backend.process_utilization(uuid)
         if util is not None:
             pids = {a.key: budget.live_host_pids(a.budget_file) or frozenset() for a in arbitrated}
             per = {k: sum(util.get(p, 0.0) for p in v) for k, v in pids.items()}

@@ -67,6 +67,7 @@ class Settings:
         return Path("/var/lib/kubelet/plugins") / f"vgpu.{self.resource_domain}"
 
     context_overhead_mib: int = 0
+    default_core_limit_percent: int | None = None  # burst cap; None: equals the guarantee
 
     def public(self) -> dict[str, Any]:
         """The effective settings as plain data (for the start-up log and `config`)."""
@@ -118,6 +119,10 @@ KEYS: dict[str, str] = {
     "context_overhead_mib": (
         "per-card CUDA context memory (MiB) the hook charges where NVML cannot measure it (0-65536)"
     ),
+    "default_core_limit_percent": (
+        "burst cap (1-100) of a container without a vcuda-core-limit annotation: the compute "
+        "arbiter lets it use idle capacity up to this; unset: the cap equals its guarantee"
+    ),
 }
 _PATHS = {
     "mock_gpus",
@@ -138,6 +143,7 @@ _OPTIONAL = {
     "metrics_address",
     "hook_library",
     "kubelet_plugin_dir",
+    "default_core_limit_percent",
 }
 MODES = ("device-plugin", "dra")
 
@@ -239,6 +245,8 @@ def _convert(key: str, value: Any, source: str) -> Any:
         return str(value)
     if key == "metrics_container_names":
         return _bool(value, bad)
+    if key == "default_core_limit_percent":
+        return _int(value, 1, 100, bad)
     raise ConfigError(f"{source}: unknown key {key!r}")  # pragma: no cover - guarded by KEYS
 
 

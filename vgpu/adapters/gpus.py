@@ -116,7 +116,7 @@ def parse_mock(data: Any, source: str) -> list[Card]:
         raise ConfigError(f'{source}: gpus: expected {{"gpus": [{{"uuid": ..., ...}}, ...]}}')
     cards: list[Card] = []
     allowed = {"uuid", "name", "memory_mib", "minor", "numa_node", "healthy", "xid", "index"}
-    allowed |= set(READING_KEYS)
+    allowed |= set(READING_KEYS) | {"process_utilization"}
     for i, item in enumerate(data["gpus"]):
         where = f"{source}: gpus[{i}]"
         if not isinstance(item, dict):
@@ -147,6 +147,18 @@ def parse_mock(data: Any, source: str) -> list[Card]:
         utilization = item.get("utilization_percent")
         if utilization is not None and utilization > 100:
             raise ConfigError(f"{where}.utilization_percent: must be 0-100 or null")
+        per_pid = item.get("process_utilization")
+        if per_pid is not None and (
+            not isinstance(per_pid, dict)
+            or not all(
+                str(k).isdigit() and isinstance(v, int | float) and 0 <= v <= 100
+                for k, v in per_pid.items()
+            )
+        ):
+            raise ConfigError(
+                f"{where}.process_utilization: must map host pids to percent (0-100), "
+                'e.g. {"4242": 30}'
+            )
         healthy = item.get("healthy", True)
         if not isinstance(healthy, bool):
             raise ConfigError(f"{where}.healthy: must be true or false")
@@ -185,6 +197,14 @@ class MockBackend:
         # the start of watch() is not lost.
         self._read_stamp: tuple[int, int, int] | None = None
         self._readings: dict[CardUuid, CardReading] = {}
+        self._per_pid: dict[CardUuid, dict[int, float]] = {}
+
+    def process_utilization(self, uuid: CardUuid) -> dict[int, float] | None:
+        """The file's optional `process_utilization` of a card (host pid -> percent);
+        {} for a card without one (idle), None for a card the file does not list."""
+        if self._preset:
+            return {} if any(c.uuid == uuid for c in preset_cards(self.source)) else None
+        return dict(self._per_pid[uuid]) if uuid in self._per_pid else None
 
     def _read(self) -> list[Card]:
         if self._preset:
@@ -203,6 +223,12 @@ class MockBackend:
             raise ConfigError(f"mock GPU file {path} is not valid JSON/YAML: {exc}") from None
         cards = parse_mock(data, f"mock GPU file {path}")
         self._readings = mock_readings(data)
+        self._per_pid = {
+            CardUuid(str(item["uuid"])): {
+                int(k): float(v) for k, v in (item.get("process_utilization") or {}).items()
+            }
+            for item in data["gpus"]
+        }
         self._read_stamp = stamp
         return cards
 

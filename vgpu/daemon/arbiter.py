@@ -25,8 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vgpu.adapters import budget
-from vgpu.core.arbiter import CARD_PERCENT, arbitrate
-from vgpu.core.model import CardUuid
+from vgpu.adapters.kube import KubePodCache, PodSource
+from vgpu.adapters.kube_events import KubeEvents, NoEvents
+from vgpu.config import Settings
+from vgpu.core.arbiter import CARD_PERCENT, arbitrate, burst_cap
+from vgpu.core.model import CardUuid, Owner, Placement
 
 log = logging.getLogger(__name__)
 
@@ -185,3 +188,91 @@ class Arbiter:
             self._views = views
         if self._on_period is not None:
             self._on_period(time.monotonic(), views)
+
+
+# ---- the node daemon's view: its placements, their caps and budget files ----
+
+
+class CapSource:
+    """Each placed container's burst cap, from its pod's annotations (through the
+    API cache: a change takes effect on the next period) or the cluster default.
+    A bad annotation is reported once per pod and value (an Event naming it) and
+    ignored."""
+
+    def __init__(
+        self,
+        annotations: Callable[[str, str], Mapping[str, str]],
+        domain: str,
+        default_percent: int | None,
+        warn: Callable[[str, str, str, str, str], None],
+    ) -> None:
+        self._annotations = annotations
+        self._domain = domain
+        self._default = default_percent
+        self._warn = warn
+        self._said: set[tuple[str, str, str]] = set()
+
+    def cap(self, owner: Owner, guarantee_percent: int) -> int:
+        try:
+            annotations = self._annotations(owner.namespace, owner.pod)
+        except Exception:  # the cache is the only source; no answer = no annotation
+            annotations = {}
+        choice = burst_cap(
+            annotations, self._domain, owner.container, guarantee_percent, self._default
+        )
+        for problem in choice.problems:
+            said = (owner.pod_uid or f"{owner.namespace}/{owner.pod}", owner.container, problem)
+            if said not in self._said:
+                self._said.add(said)
+                self._warn(
+                    owner.namespace, owner.pod, owner.pod_uid, "InvalidCoreLimit", problem
+                )
+        return choice.cap_percent
+
+
+def placed_containers(
+    placements: Callable[[], Sequence[Placement]],
+    budget_file: Callable[[str], Path],
+    caps: CapSource,
+) -> Callable[[], list[Arbitrated]]:
+    """The arbiter's container list from the daemon's placements: fractional
+    compute slices only (whole cards and memory-only slices are not arbitrated)."""
+
+    def containers() -> list[Arbitrated]:
+        out = []
+        for p in placements():
+            if p.whole or not 0 < p.core_percent < CARD_PERCENT:
+                continue
+            cap = caps.cap(p.owner, p.core_percent) if p.owner else p.core_percent
+            out.append(Arbitrated(p.key, budget_file(p.key), p.cards, p.core_percent, cap))
+        return out
+
+    return containers
+
+
+def build_node_arbiter(
+    settings: Settings,
+    backend: object,
+    placements: Callable[[], Sequence[Placement]],
+    budget_file: Callable[[str], Path],
+    pods: PodSource,
+    stop: threading.Event,
+) -> Arbiter | None:
+    """The node daemon's arbiter, or None where the backend cannot read
+    per-process utilisation (the mock backend): hooks then keep their guarantees."""
+    utilization = getattr(backend, "process_utilization", None)
+    if utilization is None:
+        log.info(
+            "compute arbiter off: the %s backend has no per-process utilisation; "
+            "each container's compute limit stays its guarantee",
+            getattr(backend, "name", "?"),
+        )
+        return None
+    events: KubeEvents | NoEvents = NoEvents()
+    if isinstance(pods, KubePodCache):
+        events = KubeEvents(pods.client(), settings.node_name)
+        events.start(stop)
+    caps = CapSource(
+        pods.annotations, settings.resource_domain, settings.default_core_limit_percent, events.warn
+    )
+    return Arbiter(utilization, placed_containers(placements, budget_file, caps))

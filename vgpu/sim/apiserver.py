@@ -18,6 +18,8 @@ client to list, get, watch and patch Pods and Nodes against it:
   policies: default and max on min's step grid, min + step within the value)
 * ``POST /api/v1/namespaces/{ns}/pods/{name}/binding`` (what a scheduler, or a
   scheduler extender with a bind verb, calls to bind a pod to a node)
+* ``POST|GET /api/v1/namespaces/{ns}/events`` (core/v1 Events: created and listed,
+  kept in order; no watch, no field selectors); :meth:`FakeApiServer.core_events`
 
 Resource versions come from one global, monotonically increasing counter.  Watch
 events are kept in a bounded history so that a watch can resume from a
@@ -866,6 +868,8 @@ class FakeApiServer:
             if method != "POST":
                 raise _ApiError(405, f"{method} is not supported on pods/binding")
             return 201, self._bind(namespace, rest[1], body)
+        if resource == "events" and len(rest) == 1:
+            return self._core_event(method, namespace, body)
         if resource not in _RESOURCES or len(rest) > 2:
             raise _ApiError(404, "the server could not find the requested resource")
         namespaced = _RESOURCES[resource][1]
@@ -1169,6 +1173,45 @@ class FakeApiServer:
                     kind=resource,
                 )
             return self._commit(resource, key, cur, new)
+
+    def _core_event(self, method: str, namespace: str | None, body: bytes) -> tuple[int, JSON]:
+        """core/v1 Events: POST into a namespace, GET (list) there or everywhere."""
+        with self._cond:
+            kept: list[JSON] | None = getattr(self, "_core_events", None)
+            if kept is None:
+                kept = []
+                self._core_events = kept
+            if method == "GET":
+                items = [e for e in kept if namespace in (None, e["metadata"]["namespace"])]
+                list_meta = {"resourceVersion": str(self._rv)}
+                return 200, {"kind": "EventList", "apiVersion": "v1", "metadata": list_meta,
+                             "items": copy.deepcopy(items)}  # fmt: skip
+            if method != "POST" or namespace is None:
+                raise _ApiError(405, f"{method} is not supported on an events collection")
+            try:
+                event = json.loads(body or b"null")
+            except ValueError as err:
+                raise _ApiError(400, f"invalid Event body: {err}") from None
+            if not isinstance(event, dict) or not isinstance(event.get("involvedObject"), dict):
+                raise _ApiError(400, "an Event needs involvedObject")
+            raw_meta = event.get("metadata")
+            meta: JSON = raw_meta if isinstance(raw_meta, dict) else {}
+            if not meta.get("name") and not meta.get("generateName"):
+                raise _ApiError(400, "metadata.name or metadata.generateName is required")
+            if meta.get("namespace") not in (None, namespace):
+                raise _ApiError(400, "the namespace of the object does not match the URL")
+            self._rv += 1
+            meta = {**meta, "namespace": namespace, "uid": str(uuid.uuid4()),
+                    "resourceVersion": str(self._rv)}  # fmt: skip
+            meta["name"] = meta.get("name") or f"{meta['generateName']}{len(kept):05d}"
+            stored = {**event, "metadata": meta, "kind": "Event", "apiVersion": "v1"}
+            kept.append(stored)
+            return 201, copy.deepcopy(stored)
+
+    def core_events(self) -> list[JSON]:
+        """Every core/v1 Event created so far, oldest first."""
+        with self._cond:
+            return copy.deepcopy(getattr(self, "_core_events", []))
 
     def _bind(self, namespace: str, name: str, body: bytes) -> JSON:
         """pods/binding, as the real registry does it: set spec.nodeName once."""
