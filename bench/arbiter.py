@@ -27,6 +27,7 @@ import argparse
 import ctypes
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -130,20 +131,48 @@ def entitled(tenants: Sequence[TenantSpec], t: float) -> list[float]:
     )
 
 
+@dataclass(frozen=True)
+class RealGpu:
+    """A real card (hooks/gpu-check.sh): the real NVML, a tenant command that takes
+    ``load PHASES`` (an fp16 matmul loop), and a warm-up before the first phase
+    (tenants start their phases together at TENANT_START_AT, epoch seconds)."""
+
+    tenant_command: tuple[str, ...]
+    library: Path
+    warmup_s: float = 20.0
+
+
+REAL: RealGpu | None = None  # set by main(--real)
+
+
 def _nvml_backend() -> Any:
-    """The daemon's NVML backend, with pynvml loading the stand-in library."""
+    """The daemon's NVML backend; on the stand-in, pynvml loads the stand-in library."""
     import pynvml
 
     from vgpu.adapters.nvml import Nvml, NvmlBackend
 
-    pynvml.nvmlLib = ctypes.CDLL(str(FAKE_NVML))  # what _LoadNvmlLibrary would load
+    if REAL is None:
+        pynvml.nvmlLib = ctypes.CDLL(str(FAKE_NVML))  # what _LoadNvmlLibrary would load
     backend = NvmlBackend(Nvml(pynvml))
     backend.cards()
     return backend
 
 
+def _tenant_command(phases: str) -> list[str]:
+    return [*(REAL.tenant_command if REAL else (str(TENANT),)), "load", phases]
+
+
 def _tenant_env(work: Path, spec: TenantSpec, index: int, kernel_us: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VGPU_", "FAKE_", "LD_"))}
+    if REAL is not None:
+        env.update(
+            LD_PRELOAD=str(REAL.library),
+            VGPU_SHARED_DIR=str(work / spec.name),
+            VGPU_CORE_LIMIT=str(spec.guarantee),
+            CUDA_DEVICE_ORDER="PCI_BUS_ID",
+            CUDA_VISIBLE_DEVICES="0",
+        )
+        return env
     env.update(
         LD_LIBRARY_PATH=f"{BUILD / 'fake'}:{BUILD / 'fake-nvml'}",
         LD_PRELOAD=str(BUILD / "libvgpu.so"),
@@ -169,7 +198,11 @@ def run_scenario(
             Arbitrated(spec.name, work / spec.name / budget.FILE_NAME, (card,), spec.guarantee, spec.cap)
         )
     samples: list[tuple[float, dict[str, float], dict[str, float], float]] = []
-    t0 = time.monotonic()
+    # On a real GPU every tenant starts at once and warms up (imports, context,
+    # cuBLAS) before its phases begin together at t0.
+    warmup_s = REAL.warmup_s if REAL else 0.0
+    t0 = time.monotonic() + warmup_s
+    wall_t0 = time.time() + warmup_s
 
     def on_period(now: float, views: Mapping[str, ShareView]) -> None:
         pass
@@ -188,14 +221,18 @@ def run_scenario(
     procs: list[subprocess.Popen[str]] = []
 
     def spawn(i: int, spec: TenantSpec) -> None:
-        delay = t0 + spec.start_s - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
+        env = _tenant_env(work, spec, i, kernel_us)
+        if REAL is None:
+            delay = t0 + spec.start_s - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        else:
+            env["TENANT_START_AT"] = f"{wall_t0 + spec.start_s:.3f}"
         phases = ",".join(f"{d:g}:{s:g}" for d, s in spec.phases)
         procs.append(
             subprocess.Popen(
-                [str(TENANT), "load", phases],
-                env=_tenant_env(work, spec, i, kernel_us),
+                _tenant_command(phases),
+                env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -219,7 +256,7 @@ def run_scenario(
     for sp in spawners:
         sp.join()
     for p in procs:
-        out, err = p.communicate(timeout=scenario.segments[-1] + 30)
+        out, err = p.communicate(timeout=scenario.segments[-1] + warmup_s + 60)
         if p.returncode != 0:
             errors.append(err[-400:])
     stop.set()
@@ -370,13 +407,13 @@ def fallback_check(backend: Any, card: CardUuid, work: Path, kernel_us: int, seg
 
 
 def run(quick: bool = False) -> Json:
-    if not TENANT.is_file() or not FAKE_NVML.is_file():
+    if REAL is None and (not TENANT.is_file() or not FAKE_NVML.is_file()):
         return {
             "available": False,
             "reason": "run `make -C hooks test-bins` first",
             "targets": [],
         }
-    seg_s = 2.0 if quick else 4.0
+    seg_s = 2.0 if quick else (6.0 if REAL else 4.0)
     kernel_us = 200
     with tempfile.TemporaryDirectory(prefix="vgpu-arbiter-") as tmp:
         work = Path(tmp)
@@ -390,7 +427,11 @@ def run(quick: bool = False) -> Json:
             chosen = [s for s in chosen if s.name in keep]
         for scenario in chosen:
             results.append(run_scenario(scenario, backend, card, work / scenario.name, kernel_us, True))
-        fallback = fallback_check(backend, card, work, kernel_us, seg_s)
+        fallback = (
+            fallback_check(backend, card, work, kernel_us, seg_s)
+            if REAL is None
+            else {"measured": False, "reason": "stand-in only (it reads the tenant's busy time)"}
+        )
     tolerance = 2.0 if quick else 1.0
     return {
         "available": True,
@@ -428,7 +469,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--table", action="store_true", help="also print the markdown table")
+    parser.add_argument("--real", action="store_true", help="a real GPU (hooks/gpu-check.sh)")
+    parser.add_argument("--tenant-command", default="", help="--real: the tenant, e.g. 'python3 check.py'")
+    parser.add_argument("--library", type=Path, default=BUILD / "libvgpu.so")
     args = parser.parse_args(argv)
+    if args.real:
+        global REAL
+        REAL = RealGpu(tuple(shlex.split(args.tenant_command)), args.library)
     result = run(args.quick)
     text = json.dumps(result, indent=1)
     if args.out:

@@ -115,13 +115,17 @@ static nvmlReturn_t processes(nvmlDevice_t d, unsigned int *count, void *infos, 
 {
     struct fake_gpu *g = fake_gpu();
     nvmlProcessInfo_v2_t list[FAKE_MAX_PROCS];
-    unsigned int n = 0;
+    int32_t pids[FAKE_MAX_PROCS];
+    unsigned int n = 0, live = 0;
     int card = card_of(d);
+    /* A snapshot under the lock, liveness checked after it: the lock is held
+     * for a copy only, as a driver's process list does not serialise the card. */
     fake_lock(g);
     for (int i = 0; i < FAKE_MAX_PROCS; i++) {
         const struct fake_proc *p = &g->procs[i];
-        if (!fake_alive(p->pid) || !(p->ctx_mask & (1u << card)))
+        if (p->pid <= 0 || !(p->ctx_mask & (1u << card)))
             continue;
+        pids[n] = p->pid;
         list[n].pid = p->host_pid;
         list[n].usedGpuMemory =
             getenv("FAKE_NVML_NO_PROCESS_MEMORY") ? NVML_VALUE_NOT_AVAILABLE : p->used[card];
@@ -129,6 +133,10 @@ static nvmlReturn_t processes(nvmlDevice_t d, unsigned int *count, void *infos, 
         n++;
     }
     fake_unlock(g);
+    for (unsigned int i = 0; i < n; i++)
+        if (fake_alive(pids[i]))
+            list[live++] = list[i];
+    n = live;
     if (!infos || *count < n) {
         *count = n;
         return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
