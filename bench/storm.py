@@ -17,6 +17,7 @@ Measured, each against the same storm without the hook (no LD_PRELOAD):
   spawn (mid-start-up, possibly holding the budget lock or a slot); every
   survivor must still be ready within DEADLINE_S (nobody waits on a dead
   holder's lock);
+- the node daemon's arbiter runs meanwhile, as on a node;
 - identification: once settled, each live process's budget-file slot must carry
   its own host pid (pid + its container's offset), so it is throttled on its
   own container's share.
@@ -36,6 +37,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,6 +55,32 @@ DEADLINE_S = float(os.environ.get("STORM_DEADLINE_S", "60"))
 OFFSET = 100000
 
 
+# One stand-in card state for every storm of this process: the daemon's arbiter
+# here reads it through the stand-in NVML, which maps one state file per process.
+_STATE = Path(tempfile.mkdtemp(prefix="vgpu-storm-card-")) / "gpu"
+
+
+def _start_arbiter(work: Path, containers: int, stop: threading.Event) -> threading.Thread:
+    """The node daemon's arbiter over these containers, as in production."""
+    from bench.arbiter import _nvml_backend
+    from vgpu.daemon.arbiter import Arbitrated, Arbiter
+
+    os.environ["FAKE_GPU_STATE"] = str(_STATE)
+    backend = _nvml_backend()
+    card = backend.cards()[0].uuid
+    arbitrated = [
+        Arbitrated(f"c{c}", work / f"c{c}" / budget.FILE_NAME, (card,), 30, 30)
+        for c in range(containers)
+    ]
+    thread = threading.Thread(
+        target=Arbiter(backend.process_utilization, lambda: arbitrated).run,
+        args=(stop,),
+        daemon=True,
+    )
+    thread.start()
+    return thread
+
+
 def _env(work: Path, container: int, hooked: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VGPU_", "FAKE_", "LD_"))}
     env.update(
@@ -60,7 +88,7 @@ def _env(work: Path, container: int, hooked: bool) -> dict[str, str]:
         VGPU_SHARED_DIR=str(work / f"c{container}"),
         VGPU_CORE_LIMIT="30",
         VGPU_MEMORY_LIMIT_MIB="65536",
-        FAKE_GPU_STATE=str(work / "gpu"),
+        FAKE_GPU_STATE=str(_STATE),
         FAKE_CUDA_LAUNCH_US="50",
         FAKE_PIDNS_OFFSET=str(OFFSET * (container + 1)),
     )
@@ -89,6 +117,7 @@ def storm(
     settle_s: float,
     seed: int = 0,
     extra_env: dict[str, str] | None = None,
+    arbiter: bool = True,
 ) -> Json:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="vgpu-storm-") as tmp:
@@ -97,6 +126,8 @@ def storm(
             (work / f"c{c}").mkdir()
             budget.ensure(work / f"c{c}" / budget.FILE_NAME)
         envs = [{**_env(work, i, hooked), **(extra_env or {})} for i in range(containers)]
+        stop = threading.Event()
+        arbiter_thread = _start_arbiter(work, containers, stop) if hooked and arbiter else None
         victims = set(rng.sample(range(n), int(n * KILL_FRACTION))) if kill else set()
         procs: list[subprocess.Popen[bytes]] = []
         spawned_at: list[float] = []
@@ -176,6 +207,9 @@ def storm(
                 p.kill()
             p.wait()
         sel.close()
+        stop.set()
+        if arbiter_thread is not None:
+            arbiter_thread.join(timeout=5)
         values = list(init_ms.values())
         return {
             "processes": n,

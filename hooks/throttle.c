@@ -97,6 +97,12 @@ static int nvml_devices(void)
     return nvml.device_count ? 0 : -1;
 }
 
+static struct {
+    uint64_t seq;
+    long long seen_at;
+    int following;
+} arb;
+
 struct util {
     double self;      /* this process */
     double container; /* the container's processes */
@@ -196,11 +202,6 @@ static double clamp(double v, double lo, double hi)
  * (VGPU_CORE_LIMIT) as a fixed cap.  A stopped daemon is noticed once the
  * sequence has not moved for VGPU_ARBITER_STALE_MS.
  */
-static struct {
-    uint64_t seq;
-    long long seen_at;
-    int following;
-} arb;
 
 static double current_limit(void)
 {

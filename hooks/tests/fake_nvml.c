@@ -185,36 +185,59 @@ nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizat
     int card = card_of(d);
     unsigned int n = 0;
     if (!s) { /* the size query, as the real NVML answers it: nothing consumed */
+        int32_t pids[FAKE_MAX_PROCS];
+        unsigned int listed = 0;
         fake_lock(g);
         for (int i = 0; i < FAKE_MAX_PROCS; i++)
-            n += fake_alive(g->procs[i].pid) && (g->procs[i].ctx_mask & (1u << card));
+            if (g->procs[i].pid > 0 && (g->procs[i].ctx_mask & (1u << card)))
+                pids[listed++] = g->procs[i].pid;
         fake_unlock(g);
+        for (unsigned int i = 0; i < listed; i++) /* liveness outside the lock */
+            n += fake_alive(pids[i]);
         *count = n;
         return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_ERROR_NOT_FOUND;
     }
     struct timespec wall;
     clock_gettime(CLOCK_REALTIME, &wall);
     unsigned long long stamp = (unsigned long long)wall.tv_sec * 1000000ull + wall.tv_nsec / 1000;
+    /* Busy times under the lock (memory only), liveness after it. */
+    static struct {
+        int index;
+        int32_t pid;
+        uint32_t host_pid;
+        int64_t busy;
+    } snap[FAKE_MAX_PROCS];
+    unsigned int taken = 0;
     fake_lock(g);
     int64_t now = fake_now();
     for (int i = 0; i < FAKE_MAX_PROCS; i++) {
         const struct fake_proc *p = &g->procs[i];
-        if (!fake_alive(p->pid) || !(p->ctx_mask & (1u << card)))
+        if (p->pid <= 0 || !(p->ctx_mask & (1u << card)))
             continue;
-        int64_t busy = fake_busy(p, card, now);
-        if (seen[i][card].pid == p->pid && now > seen[i][card].at && s && n < *count) {
+        snap[taken].index = i;
+        snap[taken].pid = p->pid;
+        snap[taken].host_pid = p->host_pid;
+        snap[taken].busy = fake_busy(p, card, now);
+        taken++;
+    }
+    fake_unlock(g);
+    for (unsigned int k = 0; k < taken; k++) {
+        int i = snap[k].index;
+        int64_t busy = snap[k].busy;
+        if (!fake_alive(snap[k].pid))
+            continue;
+        if (seen[i][card].pid == snap[k].pid && now > seen[i][card].at && n < *count) {
             double util = 100.0 * (double)(busy - seen[i][card].busy) / (double)(now - seen[i][card].at);
-            s[n].pid = p->host_pid;
+            s[n].pid = snap[k].host_pid;
             s[n].timeStamp = stamp;
             s[n].smUtil = (unsigned int)(util < 0 ? 0 : util > 100 ? 100 : util + 0.5);
             s[n].memUtil = s[n].encUtil = s[n].decUtil = 0;
             n++;
         }
-        seen[i][card].pid = p->pid;
+        seen[i][card].pid = snap[k].pid;
         seen[i][card].at = now;
         seen[i][card].busy = busy;
     }
-    fake_unlock(g);
     *count = n;
     return n ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
 }
