@@ -188,14 +188,16 @@ def _tenant_env(work: Path, spec: TenantSpec, index: int, kernel_us: int) -> dic
 def run_scenario(
     scenario: Scenario, backend: Any, card: CardUuid, work: Path, kernel_us: int, daemon: bool
 ) -> Json:
-    from vgpu.daemon.arbiter import Arbitrated, Arbiter, ShareView
+    from vgpu.daemon.arbiter import Arbiter, Arbitrated, ShareView
 
     arbitrated = []
     for spec in scenario.tenants:
         (work / spec.name).mkdir(parents=True, exist_ok=True)
         budget.ensure(work / spec.name / budget.FILE_NAME)
         arbitrated.append(
-            Arbitrated(spec.name, work / spec.name / budget.FILE_NAME, (card,), spec.guarantee, spec.cap)
+            Arbitrated(
+                spec.name, work / spec.name / budget.FILE_NAME, (card,), spec.guarantee, spec.cap
+            )
         )
     samples: list[tuple[float, dict[str, float], dict[str, float], float]] = []
     # On a real GPU every tenant starts at once and warms up (imports, context,
@@ -256,7 +258,7 @@ def run_scenario(
     for sp in spawners:
         sp.join()
     for p in procs:
-        out, err = p.communicate(timeout=scenario.segments[-1] + warmup_s + 60)
+        _, err = p.communicate(timeout=scenario.segments[-1] + warmup_s + 60)
         if p.returncode != 0:
             errors.append(err[-400:])
     stop.set()
@@ -320,18 +322,14 @@ def _analyse(
                     "below_guarantee_s": round(worst, 2),
                 }
             )
-        demand = sum(
-            min(float(s.cap), s.demand_at(mid)) for s in scenario.tenants
-        )
+        demand = sum(min(float(s.cap), s.demand_at(mid)) for s in scenario.tenants)
         segments.append(
             {
                 "from_s": start,
                 "to_s": end,
                 "tenants": rows,
                 "demand_within_caps": round(demand, 1),
-                "total_utilisation": round(
-                    sum(v for _, v in total_series) / len(total_series), 1
-                )
+                "total_utilisation": round(sum(v for _, v in total_series) / len(total_series), 1)
                 if total_series
                 else 0.0,
             }
@@ -359,7 +357,9 @@ def targets(results: Sequence[Json], tolerance: float = 1.0) -> list[Target]:
     return [
         Target("share error once converged", error, ACCURACY_POINTS * tolerance, "points"),
         Target("convergence after a change", conv, CONVERGE_LIMIT_S * tolerance, "s"),
-        Target("guarantee violated on a neighbour's burst", below, VIOLATION_LIMIT_S * tolerance, "s"),
+        Target(
+            "guarantee violated on a neighbour's burst", below, VIOLATION_LIMIT_S * tolerance, "s"
+        ),
         Target(
             "total utilisation short of 95 % when demand >= 100 %",
             max(0.0, short),
@@ -371,16 +371,14 @@ def targets(results: Sequence[Json], tolerance: float = 1.0) -> list[Target]:
 
 def fallback_check(backend: Any, card: CardUuid, work: Path, kernel_us: int, seg_s: float) -> Json:
     """The daemon stops: a tenant allowed 100 % falls back to its guarantee."""
-    from vgpu.daemon.arbiter import Arbitrated, Arbiter
+    from vgpu.daemon.arbiter import Arbiter, Arbitrated
 
     spec = TenantSpec("fallback", 30, 100, ((100.0, 2 * seg_s),))
     (work / spec.name).mkdir(parents=True, exist_ok=True)
     path = work / spec.name / budget.FILE_NAME
     budget.ensure(path)
 
-    arb = Arbiter(
-        backend.process_utilization, lambda: [Arbitrated("f", path, (card,), 30, 100)]
-    )
+    arb = Arbiter(backend.process_utilization, lambda: [Arbitrated("f", path, (card,), 30, 100)])
     stop = threading.Event()
     proc = subprocess.Popen(
         [str(TENANT), "load", f"100:{seg_s:g},100:{seg_s:g}"],
@@ -426,7 +424,9 @@ def run(quick: bool = False) -> Json:
             keep = {"alone-30-cap-100", "noisy-neighbour", "30-60-caps-100"}
             chosen = [s for s in chosen if s.name in keep]
         for scenario in chosen:
-            results.append(run_scenario(scenario, backend, card, work / scenario.name, kernel_us, True))
+            results.append(
+                run_scenario(scenario, backend, card, work / scenario.name, kernel_us, True)
+            )
         fallback = (
             fallback_check(backend, card, work, kernel_us, seg_s)
             if REAL is None
@@ -449,7 +449,8 @@ def run(quick: bool = False) -> Json:
 def table(result: Json) -> str:
     """The BENCHMARKS.md table."""
     lines = [
-        "| scenario | segment | tenant (g/cap) | demand | entitled | achieved | converged s | below g s | card total |",
+        "| scenario | segment | tenant (g/cap) | demand | entitled | achieved "
+        "| converged s | below g s | card total |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for res in result["scenarios"]:
@@ -470,7 +471,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--table", action="store_true", help="also print the markdown table")
     parser.add_argument("--real", action="store_true", help="a real GPU (hooks/gpu-check.sh)")
-    parser.add_argument("--tenant-command", default="", help="--real: the tenant, e.g. 'python3 check.py'")
+    parser.add_argument(
+        "--tenant-command", default="", help="--real: the tenant, e.g. 'python3 check.py'"
+    )
     parser.add_argument("--library", type=Path, default=BUILD / "libvgpu.so")
     args = parser.parse_args(argv)
     if args.real:

@@ -63,7 +63,7 @@ _STATE = Path(tempfile.mkdtemp(prefix="vgpu-storm-card-")) / "gpu"
 def _start_arbiter(work: Path, containers: int, stop: threading.Event) -> threading.Thread:
     """The node daemon's arbiter over these containers, as in production."""
     from bench.arbiter import _nvml_backend
-    from vgpu.daemon.arbiter import Arbitrated, Arbiter
+    from vgpu.daemon.arbiter import Arbiter, Arbitrated
 
     os.environ["FAKE_GPU_STATE"] = str(_STATE)
     backend = _nvml_backend()
@@ -221,9 +221,7 @@ def storm(
             "wall_s": round(wall_s, 3),
             "init_ms_p50": round(percentile(values, 50), 2) if values else None,
             "init_ms_p99": round(percentile(values, 99), 2) if values else None,
-            "identified": {"right": right, "wrong": wrong, "unknown": unknown}
-            if hooked
-            else None,
+            "identified": {"right": right, "wrong": wrong, "unknown": unknown} if hooked else None,
         }
 
 
@@ -252,10 +250,14 @@ def run(processes: int = 300, quick: bool = False) -> Json:
         "processes": processes,
         "layouts": rows,
         "targets": [
-            Target("hook's added storm wall time per process", added, ADDED_LIMIT_MS, "ms").to_json(),
+            Target(
+                "hook's added storm wall time per process", added, ADDED_LIMIT_MS, "ms"
+            ).to_json(),
             Target("hook's p99 start-up over the driver's", p99, P99_LIMIT_MS, "ms").to_json(),
             Target("processes stuck (waiting on a dead holder)", stuck, 0, "processes").to_json(),
-            Target("processes not throttled on their own share", misidentified, 0, "processes").to_json(),
+            Target(
+                "processes not throttled on their own share", misidentified, 0, "processes"
+            ).to_json(),
         ],
         "machine": machine(),
     }

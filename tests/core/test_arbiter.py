@@ -36,7 +36,9 @@ SHARE_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("tenants", "want"), [c[1:] for c in SHARE_CASES], ids=[c[0] for c in SHARE_CASES])
+@pytest.mark.parametrize(
+    ("tenants", "want"), [c[1:] for c in SHARE_CASES], ids=[c[0] for c in SHARE_CASES]
+)
 def test_share_out(tenants: list[Tenant], want: list[float]) -> None:
     assert share_out(tenants) == pytest.approx(want, abs=1e-6)
 

@@ -106,6 +106,7 @@ def test_the_arbiter_words_round_trip_and_the_hook_keeps_them(tmp_path: Path) ->
     budget.ensure(path)
     env = base_env(nvml=True)
     lines, _ = probe("alloc", "mem", 8, env=env, VGPU_SHARED_DIR=tmp_path, VGPU_CORE_LIMIT=30)
+    assert lines[0]["rc"] == 0
     assert budget.write_arbiter(path, 7, 4550, 3000, 8000, 1234)
     view = budget.read_arbiter(path)
     assert view is not None

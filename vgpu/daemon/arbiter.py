@@ -224,9 +224,7 @@ class CapSource:
             said = (owner.pod_uid or f"{owner.namespace}/{owner.pod}", owner.container, problem)
             if said not in self._said:
                 self._said.add(said)
-                self._warn(
-                    owner.namespace, owner.pod, owner.pod_uid, "InvalidCoreLimit", problem
-                )
+                self._warn(owner.namespace, owner.pod, owner.pod_uid, "InvalidCoreLimit", problem)
         return choice.cap_percent
 
 
