@@ -312,13 +312,16 @@ def live_host_pids(path: Path) -> frozenset[int] | None:
     try:
         if not _check_format(path, fd, size):
             return None
-        data = os.pread(fd, FILE_BYTES, 0)
-        if len(data) != FILE_BYTES:
+        head = os.pread(fd, HEADER.size, 0)
+        if len(head) != HEADER.size:
             return None
-        slot_hwm = HEADER.unpack_from(data, 0)[4]
+        used_slots = min(HEADER.unpack_from(head, 0)[4], MAX_SLOTS)  # slot_hwm
+        data = os.pread(fd, used_slots * SLOT.size, SLOTS_AT)  # only the slots ever used
+        if len(data) != used_slots * SLOT.size:
+            return None
         pids = set()
-        for i in range(min(slot_hwm, MAX_SLOTS)):
-            pid, host_pid = struct.unpack_from("<iI", data, SLOTS_AT + i * SLOT.size)
+        for i in range(used_slots):
+            pid, host_pid = struct.unpack_from("<iI", data, i * SLOT.size)
             if pid and host_pid and _slot_alive(fd, i):
                 pids.add(host_pid)
         return frozenset(pids)
