@@ -185,6 +185,16 @@ def storm(
                 where[procs[i].pid] = f"{state} {wchan}"
             except OSError as exc:
                 where[procs[i].pid] = f"gone ({exc.strerror})"
+        if stuck and os.environ.get("STORM_GDB"):  # where the first stuck one spins
+            trace = subprocess.run(
+                ["gdb", "-p", str(procs[stuck[0]].pid), "-batch", "-ex", "thread apply all bt"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            where["gdb"] = "\n".join(
+                line for line in trace.stdout.splitlines() if line.startswith("#")
+            )[:3000]
         # identification, once settled (the hook retries for about 2 s): each live
         # process's slot has its own host pid; processes hold on for settle_s
         time.sleep(2.5)

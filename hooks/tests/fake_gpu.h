@@ -121,7 +121,7 @@ static inline void fake_lock(struct fake_gpu *g)
     for (unsigned spins = 0;
          !__atomic_compare_exchange_n(&g->lock, &seen, me, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
          spins++) {
-        if (seen != 0 && spins % 256 == 255 && fake_gone((int32_t)seen) &&
+        if (seen != 0 && spins % 16 == 15 && fake_gone((int32_t)seen) &&
             __atomic_compare_exchange_n(&g->lock, &seen, me, 0, __ATOMIC_ACQUIRE,
                                         __ATOMIC_RELAXED))
             return;
