@@ -115,9 +115,24 @@ static inline int fake_gone(int32_t pid)
 
 /* The lock word holds its owner's pid: one killed holding it (kill -9 in a
  * start-up storm) is seen dead, even as an unreaped zombie, and the lock taken over. */
+static uint32_t fake_lock_pid; /* getpid() is a system call: once per process */
+
+static void fake_lock_forget_pid(void)
+{
+    fake_lock_pid = 0;
+}
+
 static inline void fake_lock(struct fake_gpu *g)
 {
-    uint32_t seen = 0, me = (uint32_t)getpid();
+    if (__builtin_expect(!fake_lock_pid, 0)) {
+        static int registered;
+        if (!registered) {
+            registered = 1;
+            pthread_atfork(NULL, NULL, fake_lock_forget_pid);
+        }
+        fake_lock_pid = (uint32_t)getpid();
+    }
+    uint32_t seen = 0, me = fake_lock_pid;
     for (unsigned spins = 0;
          !__atomic_compare_exchange_n(&g->lock, &seen, me, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
          spins++) {
