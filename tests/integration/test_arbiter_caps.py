@@ -6,23 +6,57 @@ file; a bad annotation is ignored with a Kubernetes Event naming it."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from vgpu.adapters import budget
 from vgpu.sim.harness import SimNode
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+PORT = _free_port()
+
+
 @pytest.fixture
-def node() -> Iterator[SimNode]:
-    with SimNode() as n:
+def node(tmp_path: Path) -> Iterator[SimNode]:
+    # Two mock cards whose NVML view is idle (no process uses them): the arbiter runs.
+    gpus = tmp_path / "gpus.json"
+    cards = [
+        {
+            "uuid": f"GPU-00000000-0000-4000-8000-00000000000{i}",
+            "name": "NVIDIA H200",
+            "memory_mib": 143771,
+            "process_utilization": {},
+        }
+        for i in range(2)
+    ]
+    gpus.write_text(json.dumps({"gpus": cards}))
+    with SimNode(gpus=gpus, daemon_args=["--metrics-address", f"127.0.0.1:{PORT}"]) as n:
         yield n
+
+
+def _gauges(prefix: str) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=5).read().decode()
+    return {
+        sample.name: float(sample.value)
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+        if sample.name.startswith(prefix)
+    }
 
 
 def _budget_files(node: SimNode) -> list[Path]:
@@ -113,3 +147,11 @@ def test_cap_follows_the_annotation_within_a_second_and_bad_ones_raise_an_event(
         timeout=30,
     ).stdout
     assert "compute: guarantee 30%, cap 55%, allowed 30%, achieved 0%" in table
+    want = {
+        "vgpu_container_core_guarantee_percent": 30.0,
+        "vgpu_container_core_cap_percent": 55.0,
+        "vgpu_container_core_allowed_percent": 30.0,
+        "vgpu_container_core_achieved_percent": 0.0,
+    }
+    gauges = _gauges("vgpu_container_core_")
+    assert {k: gauges.get(k) for k in want} == want, gauges

@@ -200,11 +200,11 @@ class MockBackend:
         self._per_pid: dict[CardUuid, dict[int, float]] = {}
 
     def process_utilization(self, uuid: CardUuid) -> dict[int, float] | None:
-        """The file's optional `process_utilization` of a card (host pid -> percent);
-        {} for a card without one (idle), None for a card the file does not list."""
-        if self._preset:
-            return {} if any(c.uuid == uuid for c in preset_cards(self.source)) else None
-        return dict(self._per_pid[uuid]) if uuid in self._per_pid else None
+        """The file's optional `process_utilization` of a card (host pid -> percent;
+        {} = an idle card); None where the file gives none (presets too): the
+        compute arbiter then leaves the card's containers at their guarantees."""
+        per_pid = self._per_pid.get(uuid)
+        return dict(per_pid) if per_pid is not None else None
 
     def _read(self) -> list[Card]:
         if self._preset:
@@ -225,9 +225,10 @@ class MockBackend:
         self._readings = mock_readings(data)
         self._per_pid = {
             CardUuid(str(item["uuid"])): {
-                int(k): float(v) for k, v in (item.get("process_utilization") or {}).items()
+                int(k): float(v) for k, v in item["process_utilization"].items()
             }
             for item in data["gpus"]
+            if item.get("process_utilization") is not None
         }
         self._read_stamp = stamp
         return cards

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -34,9 +35,11 @@ class NoEvents:
 
 
 class KubeEvents:
-    """Posts Warning Events through a CoreV1Api (the pod cache's client)."""
+    """Posts Warning Events through a CoreV1Api (the pod cache's client), asked for
+    only when the first Event is posted: building it imports the whole client,
+    which must not land on the daemon's start-up."""
 
-    def __init__(self, client: Any, node_name: str | None) -> None:
+    def __init__(self, client: Callable[[], Any], node_name: str | None) -> None:
         self._client = client
         self._node = node_name or ""
         self._queue: queue.Queue[tuple[str, str, str, str, str]] = queue.Queue(MAX_QUEUED)
@@ -85,4 +88,4 @@ class KubeEvents:
             "lastTimestamp": now,
             "count": 1,
         }
-        self._client.create_namespaced_event(namespace, body)
+        self._client().create_namespaced_event(namespace, body)

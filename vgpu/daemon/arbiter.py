@@ -118,24 +118,25 @@ class Arbiter:
         for gone in set(self._state) - keys:
             del self._state[gone]
         self._refused &= keys
-        pids = {c.key: budget.live_host_pids(c.budget_file) for c in containers}
-        throttled: dict[str, bool | None] = {}
-        for c in containers:
-            state = self._state.setdefault(c.key, _State())
-            waits = budget.throttle_waits(c.budget_file)
-            throttled[c.key] = (
-                None if waits is None or state.waits is None else waits != state.waits
-            )
-            state.waits = waits
         by_card: dict[CardUuid, list[Arbitrated]] = {}
         for c in containers:
             for card in c.cards:
                 by_card.setdefault(card, []).append(c)
+        # Cards that cannot tell per-process utilisation are left alone, files unread.
+        utils = {card: self._utilization(card) for card in by_card}
+        seen = {c.key: c for card, ms in by_card.items() if utils[card] is not None for c in ms}
+        pids = {key: budget.live_host_pids(c.budget_file) for key, c in seen.items()}
+        throttled: dict[str, bool | None] = {}
+        for key, c in seen.items():
+            state = self._state.setdefault(key, _State())
+            waits = budget.throttle_waits(c.budget_file)
+            throttled[key] = None if waits is None or state.waits is None else waits != state.waits
+            state.waits = waits
         allowed: dict[str, list[float]] = {}
         achieved_of: dict[str, float] = {}
         share_of: dict[str, float] = {}
         for card, members in by_card.items():
-            util = self._utilization(card)
+            util = utils[card]
             if util is None:
                 continue
             achieved = [sum(util.get(p, 0.0) for p in pids[c.key] or ()) for c in members]
@@ -268,7 +269,7 @@ def build_node_arbiter(
         return None
     events: KubeEvents | NoEvents = NoEvents()
     if isinstance(pods, KubePodCache):
-        events = KubeEvents(pods.client(), settings.node_name)
+        events = KubeEvents(pods.client, settings.node_name)
         events.start(stop)
     caps = CapSource(
         pods.annotations, settings.resource_domain, settings.default_core_limit_percent, events.warn
