@@ -31,7 +31,6 @@
 #define SLOTLESS (-2) /* every slot taken: tracked in the totals only */
 #define WAIT_NS 5000000l          /* a waiter sleeps at most 5 ms at a time */
 #define DEAD_CHECK_NS 20000000ll  /* and checks every 20 ms whether the owner died */
-#define NO_SLOT_PATIENCE_NS 5000000000ll
 
 #if defined(__x86_64__)
 #define cpu_relax() __builtin_ia32_pause()
@@ -63,6 +62,16 @@ static int slot_dead(int i)
 {
     struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET,
                        .l_start = VGPU_SLOT_LOCK_BASE + i, .l_len = 1};
+    if (shm_fd < 0 || fcntl(shm_fd, F_OFD_GETLK, &fl) != 0)
+        return 0;
+    return fl.l_type == F_UNLCK;
+}
+
+/* 1 if no process without a slot holds the budget lock (see lock_budget). */
+static int slotless_dead(void)
+{
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET,
+                       .l_start = VGPU_SLOTLESS_LOCK, .l_len = 1};
     if (shm_fd < 0 || fcntl(shm_fd, F_OFD_GETLK, &fl) != 0)
         return 0;
     return fl.l_type == F_UNLCK;
@@ -104,7 +113,7 @@ static void rebuild_totals(struct vgpu_shared *s)
 static void lock_slow(struct vgpu_shared *s, uint32_t me)
 {
     static int logged;
-    long long started = now_ns(), check_at = started + DEAD_CHECK_NS;
+    long long check_at = now_ns() + DEAD_CHECK_NS;
     for (int spin = 0;; spin++) {
         uint32_t v = __atomic_load_n(&s->lock, __ATOMIC_RELAXED);
         if (v == 0) { /* keep the waiters bit: others may still sleep */
@@ -129,10 +138,10 @@ static void lock_slow(struct vgpu_shared *s, uint32_t me)
             continue;
         check_at = now_ns() + DEAD_CHECK_NS;
         uint32_t owner = v & ~VGPU_LOCK_WAITERS;
-        /* An owner without a slot (over 1024 processes) cannot be checked:
-         * after NO_SLOT_PATIENCE_NS it is presumed dead. */
+        /* An owner without a slot (over 1024 processes) holds the slotless
+         * OFD byte while it owns the lock: free byte, dead owner. */
         int dead = owner == VGPU_LOCK_NO_SLOT
-                       ? now_ns() - started >= NO_SLOT_PATIENCE_NS
+                       ? me != VGPU_LOCK_NO_SLOT && slotless_dead()
                        : owner != me && owner != 0 && owner <= VGPU_MAX_SLOTS &&
                              slot_dead((int)owner - 1);
         if (!dead)
@@ -147,9 +156,26 @@ static void lock_slow(struct vgpu_shared *s, uint32_t me)
     }
 }
 
+/* A process without a slot first takes the slotless OFD byte (the kernel
+ * drops it when the process dies, so waiters see a dead owner at once). */
+static pthread_mutex_t slotless_lock = PTHREAD_MUTEX_INITIALIZER;
+static int slotless_holders; /* this process's threads holding or taking the budget lock */
+
+static void slotless_hold(uint32_t me, short type)
+{
+    if (__builtin_expect(me != VGPU_LOCK_NO_SLOT || shm_fd < 0, 1))
+        return;
+    /* Threads of one process share the byte: it is dropped with the last. */
+    pthread_mutex_lock(&slotless_lock);
+    if (type == F_WRLCK ? slotless_holders++ == 0 : --slotless_holders == 0)
+        ofd_lock(shm_fd, VGPU_SLOTLESS_LOCK, type, 1);
+    pthread_mutex_unlock(&slotless_lock);
+}
+
 static inline void lock_budget(struct vgpu_shared *s)
 {
     uint32_t me = my_lock_id(), expected = 0;
+    slotless_hold(me, F_WRLCK);
     if (!__atomic_compare_exchange_n(&s->lock, &expected, me, 0, __ATOMIC_ACQUIRE,
                                      __ATOMIC_RELAXED))
         lock_slow(s, me);
@@ -157,8 +183,10 @@ static inline void lock_budget(struct vgpu_shared *s)
 
 static inline void unlock_budget(struct vgpu_shared *s)
 {
+    uint32_t me = my_lock_id();
     if (__atomic_exchange_n(&s->lock, 0, __ATOMIC_RELEASE) & VGPU_LOCK_WAITERS)
         syscall(SYS_futex, &s->lock, FUTEX_WAKE, 1, NULL, NULL, 0);
+    slotless_hold(me, F_UNLCK);
 }
 
 /* ---- attaching the file ---- */
@@ -220,7 +248,7 @@ static int allocate(int fd, off_t size_now)
 static struct vgpu_shared *map_shared(const char *dir)
 {
     static int logged;
-    char why[160] = "";
+    char why[256] = "";
     struct vgpu_shared *s = NULL;
     snprintf(shm_path, sizeof(shm_path), "%s/%s", dir, VGPU_SHARED_FILE);
     int fd = open_file(shm_path);
@@ -259,9 +287,17 @@ static struct vgpu_shared *map_shared(const char *dir)
     if (__atomic_load_n(&s->magic, __ATOMIC_ACQUIRE) == 0) { /* new, or pre-created zero-filled */
         memset(s, 0, sizeof(*s));
         init_header(s);
-    } else if (s->magic != VGPU_SHARED_MAGIC || s->version != VGPU_SHARED_VERSION ||
-               s->file_bytes != VGPU_SHARED_FILE_BYTES || s->slot_count != VGPU_MAX_SLOTS) {
-        snprintf(why, sizeof(why), "another layout version or garbage");
+    } else if (s->magic != VGPU_SHARED_MAGIC) {
+        snprintf(why, sizeof(why), "not a budget file: garbage where the magic number goes");
+        goto fail;
+    } else if (s->version != VGPU_SHARED_VERSION) {
+        snprintf(why, sizeof(why),
+                 "budget file format version %u, this hook reads only version %u: the file "
+                 "was written by another vgpu release; restart the pod so that the node "
+                 "daemon creates a new one", s->version, VGPU_SHARED_VERSION);
+        goto fail;
+    } else if (s->file_bytes != VGPU_SHARED_FILE_BYTES || s->slot_count != VGPU_MAX_SLOTS) {
+        snprintf(why, sizeof(why), "garbage in its header");
         goto fail;
     }
     ofd_lock(fd, 0, F_UNLCK, 0);
@@ -358,6 +394,7 @@ static struct vgpu_shared *lock_with_slot(void)
     }
     int slot = claim_slot();
     uint32_t id = slot >= 0 ? (uint32_t)slot + 1 : VGPU_LOCK_NO_SLOT, expected = 0;
+    slotless_hold(id, F_WRLCK);
     if (!__atomic_compare_exchange_n(&s->lock, &expected, id, 0, __ATOMIC_ACQUIRE,
                                      __ATOMIC_RELAXED))
         lock_slow(s, id);
@@ -514,6 +551,8 @@ unsigned vgpu_budget_host_pid(void)
 void vgpu_budget_after_fork(void)
 {
     pthread_mutex_init(&attach_lock, NULL);
+    pthread_mutex_init(&slotless_lock, NULL);
+    slotless_holders = 0;
     my_slot = NO_SLOT; /* a slot of its own, under its own liveness lock */
     my_host_pid = 0;
     if (shm && !shm_private) {
@@ -531,4 +570,17 @@ void vgpu_budget_after_fork(void)
         memset(shm->slots, 0, sizeof(shm->slots));
         shm->lock = 0;
     }
+}
+
+uint64_t vgpu_budget_arbiter(void)
+{
+    struct vgpu_shared *s = budget();
+    return shm_private ? 0 : __atomic_load_n(&s->arbiter, __ATOMIC_ACQUIRE);
+}
+
+void vgpu_budget_note_wait(void)
+{
+    struct vgpu_shared *s = __atomic_load_n(&shm, __ATOMIC_ACQUIRE);
+    if (s && !shm_private)
+        __atomic_fetch_add(&s->throttle_waits, 1, __ATOMIC_RELAXED);
 }

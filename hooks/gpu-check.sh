@@ -15,7 +15,12 @@
 #   6. two tenants in separate PID namespaces at 30 and 60, started together
 #      (their contexts are likely created at the same moment), each get their
 #      own share and each tells its host pid (no "could not tell" line);
-#   7. with the hook loaded and no limits, throughput within 3 % of no hook.
+#   7. with the hook loaded and no limits, throughput within 3 % of no hook;
+#   8. compute arbitration (docs/enforcement-arbiter.md): bench/arbiter.py's
+#      scenarios (alone at 30 % with and without a cap of 100, 10/90, 30/60,
+#      a noisy neighbour, three tenants arriving and leaving) with the
+#      daemon's arbiter on the real NVML and fp16 matmul loops as tenants;
+#      reported, not judged (its targets were set on the stand-in).
 # Usage: hooks/gpu-check.sh [--dry-run]   (PYTHON=... picks the interpreter)
 # --dry-run checks the script and its Python without a GPU and prints the plan.
 set -euo pipefail
@@ -109,12 +114,40 @@ elif mode == "matmul":
 
     loop(warmup)  # lets the throttle converge
     emit(matmul_per_s=loop(seconds), graphs=graphs)
+elif mode == "load":  # bench/arbiter.py's tenant: PHASES = DEMAND:SECONDS[,...]
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    for _ in range(3):
+        torch.matmul(a, b)
+    torch.cuda.synchronize()
+    t = time.monotonic()
+    for _ in range(20):
+        torch.matmul(a, b)
+    torch.cuda.synchronize()
+    per_s, window_s = (time.monotonic() - t) / 20, 0.02
+    start_at = float(os.environ.get("TENANT_START_AT", "0"))
+    time.sleep(max(0.0, start_at - time.time()))  # every tenant's phases start together
+    for phase in sys.argv[2].split(","):
+        demand, seconds = (float(x) for x in phase.split(":"))
+        end, n = time.monotonic() + seconds, 0
+        while time.monotonic() < end:
+            w0 = time.monotonic()
+            k = 16 if demand >= 100 else int(demand / 100 * window_s / per_s)
+            for _ in range(k):
+                torch.matmul(a, b)
+            if k:
+                torch.cuda.synchronize()
+            n += k
+            if demand < 100:
+                time.sleep(max(0.0, w0 + window_s - time.monotonic()))
+        emit(demand=demand, seconds=seconds, matmuls=n, matmul_s=per_s)
 PY
 
 if ((dry_run)); then
     "$python" -m py_compile "$work/check.py"
     "$python" "$work/check.py" syntax
-    echo '{"dry_run": true, "steps": ["versions", "memory_default", "memory_expandable_segments", "memory_cudaMallocAsync", "two_processes", "overhead", "compute_30", "compute_30_graphs", "tenants_30_60", "hook_without_limits"]}'
+    PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$python" -m bench.arbiter --help >/dev/null
+    echo '{"dry_run": true, "steps": ["versions", "memory_default", "memory_expandable_segments", "memory_cudaMallocAsync", "two_processes", "overhead", "compute_30", "compute_30_graphs", "tenants_30_60", "hook_without_limits", "arbiter_scenarios"]}'
     exit 0
 fi
 
@@ -202,9 +235,15 @@ t60=$(cat "$work/t60" 2>/dev/null || true)
 nohook=$(bare 90 matmul 10 3 kernels)
 hooked=$(run 90 -- matmul 10 3 kernels)
 
+# 8. compute arbitration: the daemon's arbiter on the real NVML, matmul tenants
+(cd "$repo" && timeout -s KILL 300 env PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" \
+    "$python" -m bench.arbiter --real --tenant-command "$python $work/check.py" \
+    --library "$lib" --out "$work/arbiter.json" >/dev/null 2>>"$work/stderr") || true
+arbiter=$(cat "$work/arbiter.json" 2>/dev/null || echo null)
+
 "$python" - "$info" "$driver" "$glibc" "$mem_default" "$mem_expandable" "$mem_async" "$smi_total" \
     "$held" "$second" "$after_kill" "$overhead" "${nvml_mib:-0}" "$base" "$slow" "$gbase" "$gslow" \
-    "${t30:-null}" "${t60:-null}" "$nohook" "$hooked" "$tenant_log" <<'PY'
+    "${t30:-null}" "${t60:-null}" "$nohook" "$hooked" "$tenant_log" "$arbiter" <<'PY'
 import json, sys
 a = sys.argv[1:]
 j = lambda s: json.loads(s) if s and s != "null" else {}
@@ -215,6 +254,7 @@ held, second, after_kill, overhead = j(a[7]), j(a[8]), j(a[9]), j(a[10])
 nvml_mib = int(a[11] or 0)
 base, slow, gbase, gslow, t30, t60, nohook, hooked = (j(x) for x in a[12:20])
 tenant_log = a[20].splitlines()
+arbiter = j(a[21])
 rate = lambda x, y: round(x.get("matmul_per_s", 0) / y.get("matmul_per_s", float("inf")), 3)
 GIB = 1 << 30
 checks = {}
@@ -248,6 +288,7 @@ report = {
                 "tenant_30": t30, "tenant_60": t60, "share_30": s30, "share_60": s60,
                 "tenant_log": tenant_log,
                 "no_hook": nohook, "hook_no_limits": hooked, "hook_cost_ratio": free_cost},
+    "arbiter": arbiter,
     "checks": checks, "ok": all(checks.values()),
 }
 print(json.dumps(report))

@@ -12,7 +12,7 @@
  *  - a launch waits while the bucket is empty and then takes its cost, which
  *    may leave it in debt: a kernel longer than the refill period delays the
  *    next launch by as long as it must, so long kernels converge too;
- *  - every 200 ms, gain <- gain x clamp(limit / utilisation, 0.8, 1.25)
+ *  - every 200 ms, gain <- gain x clamp(limit / utilisation, 0.7, 1.4)
  *    corrects what the estimates miss (other processes of the container,
  *    overlap).
  * Until the container's utilisation first exceeds the limit the bucket is not
@@ -96,6 +96,12 @@ static int nvml_devices(void)
             nvml.device_count++;
     return nvml.device_count ? 0 : -1;
 }
+
+static struct {
+    uint64_t seq;
+    long long seen_at;
+    int following;
+} arb;
 
 struct util {
     double self;      /* this process */
@@ -190,11 +196,44 @@ static double clamp(double v, double lo, double hi)
     return v < lo ? lo : v > hi ? hi : v;
 }
 
+/*
+ * The limit in force: the allowed share the node daemon's arbiter writes into
+ * the budget file while its sequence keeps moving, else the guarantee
+ * (VGPU_CORE_LIMIT) as a fixed cap.  A stopped daemon is noticed once the
+ * sequence has not moved for VGPU_ARBITER_STALE_MS.
+ */
+
+static double current_limit(void)
+{
+    static int said_stale;
+    double guarantee = vgpu_cfg.core_percent;
+    uint64_t word = vgpu_budget_arbiter();
+    uint64_t seq = word >> VGPU_ARBITER_SEQ_SHIFT, centi = word & VGPU_ARBITER_SHARE_MASK;
+    long long t = now_ns();
+    if (seq && seq != arb.seq) {
+        arb.seq = seq;
+        arb.seen_at = t;
+    }
+    int fresh = arb.seq && t - arb.seen_at <= VGPU_ARBITER_STALE_MS * 1000000ll && centi <= 10000;
+    if (fresh != arb.following) {
+        arb.following = fresh;
+        if (fresh)
+            VGPU_TRACE("following the node's compute arbiter (allowed %.2f%%)", centi / 100.0);
+        else if (arb.seq)
+            vgpu_log(&said_stale, "the node's compute arbiter stopped updating the budget "
+                     "file: back to the guarantee of %d%% as a fixed cap", vgpu_cfg.core_percent);
+    }
+    if (!fresh)
+        return guarantee;
+    double allowed = centi / 100.0;
+    return allowed < 0.5 ? 0.5 : allowed;
+}
+
 static void *controller(void *arg)
 {
     static int logged;
     (void)arg;
-    double limit = vgpu_cfg.core_percent, gain = 1;
+    double limit = current_limit(), gain = 1;
     unsigned long long seen = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
     long long since = now_ns();
     int unsupported = 0;
@@ -209,6 +248,7 @@ static void *controller(void *arg)
     for (unsigned long tick = 1;; tick++) {
         sleep_ns(REFILL_NS);
         if (tick % CONTROL_EVERY == 0) {
+            limit = current_limit();
             long long t = now_ns(), dt = t - since;
             unsigned long long count = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
             w.launches += count - seen;
@@ -232,6 +272,17 @@ static void *controller(void *arg)
             w.self_ns += u.self * (double)dt;
             w.dt += dt;
             int is_engaged = __atomic_load_n(&engaged, __ATOMIC_RELAXED);
+            if (limit >= 99.5) { /* the arbiter lets it have the card: nothing to hold back */
+                if (is_engaged) {
+                    __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
+                    VGPU_TRACE("throttle disengaged: the whole card is allowed");
+                }
+                w.util_ns = w.self_ns = 0;
+                w.dt = w.graphs_ns = 0;
+                w.launches = 0;
+                w.periods = 0;
+                continue;
+            }
             if (!is_engaged && u.container > limit) { /* engage at once */
                 long long k = w.launches ? (long long)(u.self / 100 * (double)dt) /
                                                (long long)(w.launches ? w.launches : 1)
@@ -265,7 +316,7 @@ static void *controller(void *arg)
                                       __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED) +
                                   w.graphs_ns;
                 double allowed = limit / 100 * gain * (double)w.dt;
-                gain = clamp(gain * clamp(limit / (util > 0.5 ? util : 0.5), 0.8, 1.25), 0.02, 50);
+                gain = clamp(gain * clamp(limit / (util > 0.5 ? util : 0.5), 0.7, 1.4), 0.02, 50);
                 if (util < limit && (double)spent * 4 < allowed &&
                     __atomic_load_n(&tokens, __ATOMIC_RELAXED) >= 0) {
                     __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
@@ -336,6 +387,8 @@ static inline void wait_tokens(long long cost)
         return;
     long long waited = 0;
     while (__atomic_load_n(&engaged, __ATOMIC_ACQUIRE)) {
+        if (waited == REFILL_NS / 2)
+            vgpu_budget_note_wait();
         if (__atomic_load_n(&tokens, __ATOMIC_ACQUIRE) > 0) {
             __atomic_fetch_sub(&tokens,
                                cost ? cost : __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED),
@@ -444,6 +497,7 @@ void vgpu_throttle_after_fork(void)
     if (state == RUNNING)
         state = OFF_UNKNOWN;
     engaged = 0;
+    memset(&arb, 0, sizeof(arb));
 }
 
 /* ---- launch wrappers ---- */

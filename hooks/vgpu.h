@@ -107,6 +107,10 @@ int vgpu_budget_pids(struct vgpu_pid *out, int max);
 /* This process's host pid, once learned (0 = not known). */
 void vgpu_budget_set_host_pid(unsigned host_pid);
 unsigned vgpu_budget_host_pid(void);
+/* The compute arbiter's word (vgpu_shared.h); 0 without a shared file. */
+uint64_t vgpu_budget_arbiter(void);
+/* A launch waited for tokens: counted in the file for the arbiter. */
+void vgpu_budget_note_wait(void);
 
 /* ---- device.c: devices, contexts and streams ---- */
 /* The current context's device ordinal (0 if none). */

@@ -32,7 +32,7 @@
 #include <stdint.h>
 
 #define VGPU_SHARED_MAGIC 0x76475055u /* "UPGv" */
-#define VGPU_SHARED_VERSION 2u
+#define VGPU_SHARED_VERSION 3u
 #define VGPU_SHARED_FILE "vgpu.shm"
 /* The file's one size: sizeof(struct vgpu_shared) rounded up to 4 KiB. */
 #define VGPU_SHARED_FILE_BYTES 143360u
@@ -43,6 +43,13 @@
 #define VGPU_SLOT_LOCK_BASE 4096
 #define VGPU_LOCK_NO_SLOT 0xffffu
 #define VGPU_LOCK_WAITERS 0x80000000u
+/* OFD lock byte a process without a slot holds while it owns the budget lock
+ * (dies with it, so its death is seen at once). */
+#define VGPU_SLOTLESS_LOCK (VGPU_SLOT_LOCK_BASE - 1)
+/* arbiter word: sequence << 16 | allowed share in 1/100 % (<= 10000) */
+#define VGPU_ARBITER_SHARE_MASK 0xffffull
+#define VGPU_ARBITER_SEQ_SHIFT 16
+#define VGPU_ARBITER_STALE_MS 500
 
 struct vgpu_slot {
     int32_t pid;       /* 0 = free; the pid as seen inside the container */
@@ -60,6 +67,14 @@ struct vgpu_shared {
     uint32_t lock;         /* futex word, see above */
     uint32_t flags;
     uint64_t limit_bytes;  /* limit of the process that initialised it (informational) */
+    /* ---- written by the node daemon's compute arbiter only ---- */
+    uint64_t arbiter;          /* seq << 16 | allowed share (1/100 %); seq 0 = none yet */
+    uint32_t guarantee_centi;  /* the container's guarantee (1/100 %), informational */
+    uint32_t cap_centi;        /* its burst cap (1/100 %), informational */
+    uint32_t achieved_centi;   /* what it achieved over the last period, informational */
+    uint32_t throttle_waits;   /* written by the hooks: launches that waited for tokens
+                                  (wrapping); the arbiter's sign that the container
+                                  wants more than it is allowed */
     uint64_t used[VGPU_MAX_DEVICES]; /* sum of the slots' `used` */
     char devices[VGPU_MAX_DEVICES][VGPU_UUID_BYTES]; /* card UUID of each device entry */
     struct vgpu_slot slots[VGPU_MAX_SLOTS];

@@ -73,6 +73,7 @@ class Settings:
     device_list_strategy: str = "envvar"
     host_dev_dir: Path = Path("/dev")
     unallocated_policy: str = "warn"
+    default_core_limit_percent: int | None = None  # burst cap; None: equals the guarantee
 
     def public(self) -> dict[str, Any]:
         """The effective settings as plain data (for the start-up log and `config`)."""
@@ -140,6 +141,10 @@ KEYS: dict[str, str] = {
         "a running container asking vcuda resources that holds no vgpu device: warn (event "
         "and metric) or evict (also evicted through the Eviction API)"
     ),
+    "default_core_limit_percent": (
+        "burst cap (1-100) of a container without a vcuda-core-limit annotation: the compute "
+        "arbiter lets it use idle capacity up to this; unset: the cap equals its guarantee"
+    ),
 }
 _PATHS = {
     "mock_gpus",
@@ -161,6 +166,7 @@ _OPTIONAL = {
     "metrics_address",
     "hook_library",
     "kubelet_plugin_dir",
+    "default_core_limit_percent",
 }
 MODES = ("device-plugin", "dra")
 
@@ -276,6 +282,8 @@ def _convert(key: str, value: Any, source: str) -> Any:
         if value not in HOOK_INJECTIONS:
             raise bad(" or ".join(HOOK_INJECTIONS))
         return value
+    if key == "default_core_limit_percent":
+        return _int(value, 1, 100, bad)
     raise ConfigError(f"{source}: unknown key {key!r}")  # pragma: no cover - guarded by KEYS
 
 

@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,7 +30,7 @@
 
 #define FAKE_CARDS 2
 #define FAKE_MAX_DEV 16
-#define FAKE_MAX_PROCS 64
+#define FAKE_MAX_PROCS 512
 #define FAKE_RING 256
 
 struct fake_proc {
@@ -91,13 +92,61 @@ static inline struct fake_gpu *fake_gpu(void)
     return g;
 }
 
+static inline int fake_alive(int32_t pid);
+
+/* Gone, or a zombie its parent has not reaped yet (a test's child killed -9). */
+static inline int fake_gone(int32_t pid)
+{
+    if (!fake_alive(pid))
+        return 1;
+    char path[64], buf[256];
+    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    const char *end = strrchr(buf, ')');
+    return end && end[1] == ' ' && end[2] == 'Z';
+}
+
+/* The lock word holds its owner's pid: one killed holding it (kill -9 in a
+ * start-up storm) is seen dead, even as an unreaped zombie, and the lock taken over. */
+static uint32_t fake_lock_pid; /* getpid() is a system call: once per process */
+
+static void fake_lock_forget_pid(void)
+{
+    fake_lock_pid = 0;
+}
+
 static inline void fake_lock(struct fake_gpu *g)
 {
-    uint32_t zero = 0;
-    while (!__atomic_compare_exchange_n(&g->lock, &zero, 1, 0, __ATOMIC_ACQUIRE,
-                                        __ATOMIC_RELAXED)) {
-        zero = 0;
-        sched_yield();
+    if (__builtin_expect(!fake_lock_pid, 0)) {
+        static int registered;
+        if (!registered) {
+            registered = 1;
+            pthread_atfork(NULL, NULL, fake_lock_forget_pid);
+        }
+        fake_lock_pid = (uint32_t)getpid();
+    }
+    uint32_t seen = 0, me = fake_lock_pid;
+    for (unsigned spins = 0;
+         !__atomic_compare_exchange_n(&g->lock, &seen, me, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
+         spins++) {
+        if (seen != 0 && spins % 16 == 15 && fake_gone((int32_t)seen) &&
+            __atomic_compare_exchange_n(&g->lock, &seen, me, 0, __ATOMIC_ACQUIRE,
+                                        __ATOMIC_RELAXED))
+            return;
+        seen = 0;
+        if (spins < 64) {
+            sched_yield();
+        } else { /* hundreds of processes at once: sleep rather than spin */
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+        }
     }
 }
 

@@ -20,6 +20,7 @@
 #define INVALID_ARGUMENT 2
 
 nvmlReturn_t nvmlInit_v2(void) { return NVML_SUCCESS; }
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags) { (void)flags; return NVML_SUCCESS; }
 nvmlReturn_t nvmlShutdown(void) { return NVML_SUCCESS; }
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *n) { *n = FAKE_CARDS; return NVML_SUCCESS; }
 
@@ -47,6 +48,20 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *out, unsigned int len)
     if (!out || len < 41)
         return NVML_ERROR_INSUFFICIENT_SIZE;
     uuid_text(card_of(d), out, len);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *out, unsigned int len)
+{
+    if (!out || len < 16)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    snprintf(out, len, "Stand-in GPU %d", card_of(d));
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t d, unsigned int *minor)
+{
+    *minor = (unsigned int)card_of(d);
     return NVML_SUCCESS;
 }
 
@@ -100,13 +115,17 @@ static nvmlReturn_t processes(nvmlDevice_t d, unsigned int *count, void *infos, 
 {
     struct fake_gpu *g = fake_gpu();
     nvmlProcessInfo_v2_t list[FAKE_MAX_PROCS];
-    unsigned int n = 0;
+    int32_t pids[FAKE_MAX_PROCS];
+    unsigned int n = 0, live = 0;
     int card = card_of(d);
+    /* A snapshot under the lock, liveness checked after it: the lock is held
+     * for a copy only, as a driver's process list does not serialise the card. */
     fake_lock(g);
     for (int i = 0; i < FAKE_MAX_PROCS; i++) {
         const struct fake_proc *p = &g->procs[i];
-        if (!fake_alive(p->pid) || !(p->ctx_mask & (1u << card)))
+        if (p->pid <= 0 || !(p->ctx_mask & (1u << card)))
             continue;
+        pids[n] = p->pid;
         list[n].pid = p->host_pid;
         list[n].usedGpuMemory =
             getenv("FAKE_NVML_NO_PROCESS_MEMORY") ? NVML_VALUE_NOT_AVAILABLE : p->used[card];
@@ -114,6 +133,10 @@ static nvmlReturn_t processes(nvmlDevice_t d, unsigned int *count, void *infos, 
         n++;
     }
     fake_unlock(g);
+    for (unsigned int i = 0; i < n; i++)
+        if (fake_alive(pids[i]))
+            list[live++] = list[i];
+    n = live;
     if (!infos || *count < n) {
         *count = n;
         return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
@@ -161,29 +184,60 @@ nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizat
     struct fake_gpu *g = fake_gpu();
     int card = card_of(d);
     unsigned int n = 0;
+    if (!s) { /* the size query, as the real NVML answers it: nothing consumed */
+        int32_t pids[FAKE_MAX_PROCS];
+        unsigned int listed = 0;
+        fake_lock(g);
+        for (int i = 0; i < FAKE_MAX_PROCS; i++)
+            if (g->procs[i].pid > 0 && (g->procs[i].ctx_mask & (1u << card)))
+                pids[listed++] = g->procs[i].pid;
+        fake_unlock(g);
+        for (unsigned int i = 0; i < listed; i++) /* liveness outside the lock */
+            n += fake_alive(pids[i]);
+        *count = n;
+        return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_ERROR_NOT_FOUND;
+    }
     struct timespec wall;
     clock_gettime(CLOCK_REALTIME, &wall);
     unsigned long long stamp = (unsigned long long)wall.tv_sec * 1000000ull + wall.tv_nsec / 1000;
+    /* Busy times under the lock (memory only), liveness after it. */
+    static struct {
+        int index;
+        int32_t pid;
+        uint32_t host_pid;
+        int64_t busy;
+    } snap[FAKE_MAX_PROCS];
+    unsigned int taken = 0;
     fake_lock(g);
     int64_t now = fake_now();
     for (int i = 0; i < FAKE_MAX_PROCS; i++) {
         const struct fake_proc *p = &g->procs[i];
-        if (!fake_alive(p->pid) || !(p->ctx_mask & (1u << card)))
+        if (p->pid <= 0 || !(p->ctx_mask & (1u << card)))
             continue;
-        int64_t busy = fake_busy(p, card, now);
-        if (seen[i][card].pid == p->pid && now > seen[i][card].at && s && n < *count) {
+        snap[taken].index = i;
+        snap[taken].pid = p->pid;
+        snap[taken].host_pid = p->host_pid;
+        snap[taken].busy = fake_busy(p, card, now);
+        taken++;
+    }
+    fake_unlock(g);
+    for (unsigned int k = 0; k < taken; k++) {
+        int i = snap[k].index;
+        int64_t busy = snap[k].busy;
+        if (!fake_alive(snap[k].pid))
+            continue;
+        if (seen[i][card].pid == snap[k].pid && now > seen[i][card].at && n < *count) {
             double util = 100.0 * (double)(busy - seen[i][card].busy) / (double)(now - seen[i][card].at);
-            s[n].pid = p->host_pid;
+            s[n].pid = snap[k].host_pid;
             s[n].timeStamp = stamp;
             s[n].smUtil = (unsigned int)(util < 0 ? 0 : util > 100 ? 100 : util + 0.5);
             s[n].memUtil = s[n].encUtil = s[n].decUtil = 0;
             n++;
         }
-        seen[i][card].pid = p->pid;
+        seen[i][card].pid = snap[k].pid;
         seen[i][card].at = now;
         seen[i][card].busy = busy;
     }
-    fake_unlock(g);
     *count = n;
     return n ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
 }

@@ -10,7 +10,7 @@ int main(void)
     printf("{\"file_bytes\": %u, \"sizeof\": %zu, \"magic\": %u, \"version\": %u, "
            "\"max_devices\": %d, \"max_slots\": %d, \"uuid_bytes\": %d, \"slot_lock_base\": %d, "
            "\"file\": \"%s\", \"offsets\": {\"magic\": %zu, \"version\": %zu, \"file_bytes\": %zu, "
-           "\"slot_count\": %zu, \"slot_hwm\": %zu, \"device_count\": %zu, \"used\": %zu, "
+           "\"slot_count\": %zu, \"slot_hwm\": %zu, \"device_count\": %zu, \"arbiter\": %zu, \"used\": %zu, "
            "\"devices\": %zu, \"slots\": %zu}, \"slot_bytes\": %zu, "
            "\"slot_offsets\": {\"pid\": %zu, \"host_pid\": %zu, \"used\": %zu}}\n",
            VGPU_SHARED_FILE_BYTES, sizeof(struct vgpu_shared), VGPU_SHARED_MAGIC,
@@ -18,7 +18,8 @@ int main(void)
            VGPU_SLOT_LOCK_BASE, VGPU_SHARED_FILE, offsetof(struct vgpu_shared, magic),
            offsetof(struct vgpu_shared, version), offsetof(struct vgpu_shared, file_bytes),
            offsetof(struct vgpu_shared, slot_count), offsetof(struct vgpu_shared, slot_hwm),
-           offsetof(struct vgpu_shared, device_count), offsetof(struct vgpu_shared, used),
+           offsetof(struct vgpu_shared, device_count), offsetof(struct vgpu_shared, arbiter),
+           offsetof(struct vgpu_shared, used),
            offsetof(struct vgpu_shared, devices), offsetof(struct vgpu_shared, slots),
            sizeof(struct vgpu_slot), offsetof(struct vgpu_slot, pid),
            offsetof(struct vgpu_slot, host_pid), offsetof(struct vgpu_slot, used));

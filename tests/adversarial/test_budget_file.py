@@ -135,7 +135,11 @@ def test_allocate_replaces_something_planted_in_an_old_shared_directory(node: Si
         capture_output=True, text=True, timeout=20,
     )  # fmt: skip
     assert store_write.returncode == 0, store_write.stderr
-    assert "replaced" in store_write.stdout and name
+    # The daemon's own rewrite of the record (its owner learned from the pod
+    # cache) may have replaced it first: either way it is replaced, and said.
+    assert "replaced" in store_write.stdout or (
+        f"budget file of {name}: replaced a non-regular file" in node.log()
+    )
     assert not path.is_symlink() and path.stat().st_size == budget.FILE_BYTES
     assert Path("/etc/hostname").stat().st_size != budget.FILE_BYTES
 

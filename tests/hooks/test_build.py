@@ -34,6 +34,7 @@ def test_budget_file_layout_is_the_same_in_c_and_python() -> None:
     assert layout["uuid_bytes"] == budget.UUID_BYTES
     assert layout["slot_lock_base"] == budget.SLOT_LOCK_BASE
     offsets = layout["offsets"]
+    assert offsets["arbiter"] == budget.ARBITER_AT
     assert offsets["used"] == budget.USED_AT
     assert offsets["devices"] == budget.DEVICES_AT
     assert offsets["slots"] == budget.SLOTS_AT

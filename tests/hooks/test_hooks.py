@@ -147,7 +147,8 @@ def test_gpu_check_script_parses_and_plans_every_step() -> None:
     )
     assert run.returncode == 0, run.stderr
     plan = json.loads(run.stdout)
-    assert plan["dry_run"] is True and len(plan["steps"]) == 10
+    assert plan["dry_run"] is True and len(plan["steps"]) == 11
+    assert plan["steps"][-1] == "arbiter_scenarios"  # bench/arbiter.py --real, checked to load
 
 
 # ---- memory: every path, every allocator ----

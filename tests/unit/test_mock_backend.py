@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Iterator
@@ -252,3 +253,25 @@ def test_device_nodes_are_listed_per_card_and_checked() -> None:
         with pytest.raises(ConfigError, match=r"gpus\[1\]\.device_nodes: must be a list"):
             parse_mock(data, "f")
     assert all(c.device_nodes == () for c in preset_cards("preset:2xH200"))
+
+
+def test_process_utilization_comes_from_the_file_or_is_unknown(tmp_path: Path) -> None:
+    path = tmp_path / "gpus.json"
+    busy = {**card(0), "process_utilization": {"4242": 30, "4243": 12.5}}
+    idle = {**card(1), "process_utilization": {}}
+    path.write_text(json.dumps({"gpus": [busy, idle, card(2)]}))
+    backend = MockBackend(path)
+    found = backend.cards()
+    assert backend.process_utilization(found[0].uuid) == {4242: 30.0, 4243: 12.5}
+    assert backend.process_utilization(found[1].uuid) == {}
+    assert backend.process_utilization(found[2].uuid) is None  # not given: unknown
+    assert (
+        MockBackend("preset:1xH200").process_utilization(preset_cards("preset:1xH200")[0].uuid)
+        is None
+    )
+
+
+@pytest.mark.parametrize("bad", [{"pid": 30}, {"4242": 101}, {"4242": "x"}, [1]])
+def test_bad_process_utilization_is_refused_naming_the_key(bad: object) -> None:
+    with pytest.raises(ConfigError, match="process_utilization"):
+        parse_mock({"gpus": [{**card(0), "process_utilization": bad}]}, "f")

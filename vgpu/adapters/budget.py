@@ -16,6 +16,7 @@ import fcntl
 import os
 import stat
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu.core.contract import BUDGET_FILE_NAME
@@ -23,7 +24,7 @@ from vgpu.core.contract import BUDGET_FILE_NAME
 FILE_NAME = BUDGET_FILE_NAME
 FILE_BYTES = 143360  # VGPU_SHARED_FILE_BYTES
 MAGIC = 0x76475055
-VERSION = 2
+VERSION = 3  # 3: the compute arbiter's words after limit_bytes
 MAX_DEVICES = 16
 MAX_SLOTS = 1024
 UUID_BYTES = 48
@@ -32,7 +33,14 @@ SLOT_LOCK_BASE = 4096  # OFD lock byte of slot i: SLOT_LOCK_BASE + i, held while
 # device_count, lock, flags), uint64 limit_bytes, uint64 used[16], char devices[16][48],
 # then the slots {int32 pid, uint32 host_pid, uint64 used[16]}.
 HEADER = struct.Struct("<8IQ")
-USED_AT = HEADER.size
+# v3: uint64 arbiter (seq << 16 | allowed share in 1/100 %), uint32 guarantee_centi,
+# cap_centi, achieved_centi (written by the node daemon only), throttle_waits (the
+# hooks count launches that waited for tokens).
+ARBITER = struct.Struct("<Q4I")
+ARBITER_AT = HEADER.size
+ARBITER_SEQ_SHIFT = 16
+ARBITER_SHARE_MASK = 0xFFFF
+USED_AT = ARBITER_AT + ARBITER.size
 DEVICES_AT = USED_AT + 8 * MAX_DEVICES
 SLOTS_AT = DEVICES_AT + UUID_BYTES * MAX_DEVICES
 SLOT = struct.Struct(f"<iI{MAX_DEVICES}Q")
@@ -168,6 +176,156 @@ def usage_mib(path: Path) -> int | None:
                 total += sum(used)
         return total // _MIB
     except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+class OldFormat(Exception):
+    """The file is another format version: never misread, never written."""
+
+    def __init__(self, path: Path, found: int) -> None:
+        super().__init__(
+            f"{path} is budget file format version {found}, this daemon speaks version "
+            f"{VERSION}: its container runs another vgpu release's hook; the arbiter leaves it "
+            "alone (the hook keeps its guarantee as a fixed cap) until the pod is restarted"
+        )
+        self.found = found
+
+
+def _check_format(path: Path, fd: int, size: int) -> bool:
+    """True for a v3 file (or a pre-created zero one), OldFormat for another
+    version, False for anything else (wrong size, garbage)."""
+    if size != FILE_BYTES:
+        return False
+    head = os.pread(fd, 8, 0)
+    if len(head) != 8:
+        return False
+    magic, version = struct.unpack("<II", head)
+    if magic == 0:
+        return True
+    if magic != MAGIC:
+        return False
+    if version != VERSION:
+        raise OldFormat(path, version)
+    return True
+
+
+def write_arbiter(
+    path: Path,
+    seq: int,
+    allowed_centi: int,
+    guarantee_centi: int,
+    cap_centi: int,
+    achieved_centi: int,
+) -> bool:
+    """The arbiter's words for one container: its allowed share (with the
+    heartbeat sequence the hook watches) and, for `vgpu status`, its guarantee,
+    cap and achieved share. False when the file is missing or unusable;
+    OldFormat for a file of another version (never written)."""
+    opened = _open_regular(path, os.O_RDWR)
+    if opened is None:
+        return False
+    fd, size = opened
+    try:
+        if not _check_format(path, fd, size):
+            return False
+        allowed = max(0, min(10000, allowed_centi))
+        word = ((seq & ((1 << 48) - 1)) << ARBITER_SEQ_SHIFT) | allowed
+        info = struct.pack("<3I", guarantee_centi, cap_centi, achieved_centi)
+        os.pwrite(fd, info, ARBITER_AT + 8)  # not throttle_waits: the hooks' counter
+        os.pwrite(fd, struct.pack("<Q", word), ARBITER_AT)  # one aligned 8-byte store
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class ArbiterView:
+    """What the arbiter last wrote into a container's file (percent)."""
+
+    seq: int
+    allowed_percent: float
+    guarantee_percent: float
+    cap_percent: float
+    achieved_percent: float
+    throttle_waits: int  # the hooks' wrapping count of launches that waited
+
+
+def read_arbiter(path: Path) -> ArbiterView | None:
+    """The arbiter's words of one container's file; None when the file is not a
+    v3 budget file or no arbiter wrote it yet."""
+    opened = _open_regular(path, os.O_RDONLY)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        if not _check_format(path, fd, size):
+            return None
+        data = os.pread(fd, ARBITER.size, ARBITER_AT)
+    except (OSError, OldFormat):
+        return None
+    finally:
+        os.close(fd)
+    if len(data) != ARBITER.size:
+        return None
+    word, guarantee, cap, achieved, waits = ARBITER.unpack(data)
+    if word >> ARBITER_SEQ_SHIFT == 0:
+        return None
+    return ArbiterView(
+        seq=word >> ARBITER_SEQ_SHIFT,
+        allowed_percent=min(10000, word & ARBITER_SHARE_MASK) / 100,
+        guarantee_percent=min(10000, guarantee) / 100,
+        cap_percent=min(10000, cap) / 100,
+        achieved_percent=min(10000, achieved) / 100,
+        throttle_waits=waits,
+    )
+
+
+def throttle_waits(path: Path) -> int | None:
+    """The hooks' wrapping count of launches that waited for tokens; None when the
+    file is not a usable v3 budget file."""
+    opened = _open_regular(path, os.O_RDONLY)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        if not _check_format(path, fd, size):
+            return None
+        data = os.pread(fd, 4, ARBITER_AT + 20)
+    except (OSError, OldFormat):
+        return None
+    finally:
+        os.close(fd)
+    return int(struct.unpack("<I", data)[0]) if len(data) == 4 else None
+
+
+def live_host_pids(path: Path) -> frozenset[int] | None:
+    """Host pids (as NVML reports them) of the container's live processes; None
+    when the file is not a usable v3 budget file."""
+    opened = _open_regular(path, os.O_RDONLY)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        if not _check_format(path, fd, size):
+            return None
+        head = os.pread(fd, HEADER.size, 0)
+        if len(head) != HEADER.size:
+            return None
+        used_slots = min(HEADER.unpack_from(head, 0)[4], MAX_SLOTS)  # slot_hwm
+        data = os.pread(fd, used_slots * SLOT.size, SLOTS_AT)  # only the slots ever used
+        if len(data) != used_slots * SLOT.size:
+            return None
+        pids = set()
+        for i in range(used_slots):
+            pid, host_pid = struct.unpack_from("<iI", data, i * SLOT.size)
+            if pid and host_pid and _slot_alive(fd, i):
+                pids.add(host_pid)
+        return frozenset(pids)
+    except (OSError, OldFormat):
         return None
     finally:
         os.close(fd)

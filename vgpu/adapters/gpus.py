@@ -118,7 +118,7 @@ def parse_mock(data: Any, source: str) -> list[Card]:
     cards: list[Card] = []
     allowed = {"uuid", "name", "memory_mib", "minor", "numa_node", "healthy", "xid", "index"}
     allowed.add("device_nodes")
-    allowed |= set(READING_KEYS)
+    allowed |= set(READING_KEYS) | {"process_utilization"}
     for i, item in enumerate(data["gpus"]):
         where = f"{source}: gpus[{i}]"
         if not isinstance(item, dict):
@@ -149,6 +149,18 @@ def parse_mock(data: Any, source: str) -> list[Card]:
         utilization = item.get("utilization_percent")
         if utilization is not None and utilization > 100:
             raise ConfigError(f"{where}.utilization_percent: must be 0-100 or null")
+        per_pid = item.get("process_utilization")
+        if per_pid is not None and (
+            not isinstance(per_pid, dict)
+            or not all(
+                str(k).isdigit() and isinstance(v, int | float) and 0 <= v <= 100
+                for k, v in per_pid.items()
+            )
+        ):
+            raise ConfigError(
+                f"{where}.process_utilization: must map host pids to percent (0-100), "
+                'e.g. {"4242": 30}'
+            )
         healthy = item.get("healthy", True)
         if not isinstance(healthy, bool):
             raise ConfigError(f"{where}.healthy: must be true or false")
@@ -206,6 +218,14 @@ class MockBackend:
         # the start of watch() is not lost.
         self._read_stamp: tuple[int, int, int] | None = None
         self._readings: dict[CardUuid, CardReading] = {}
+        self._per_pid: dict[CardUuid, dict[int, float]] = {}
+
+    def process_utilization(self, uuid: CardUuid) -> dict[int, float] | None:
+        """The file's optional `process_utilization` of a card (host pid -> percent;
+        {} = an idle card); None where the file gives none (presets too): the
+        compute arbiter then leaves the card's containers at their guarantees."""
+        per_pid = self._per_pid.get(uuid)
+        return dict(per_pid) if per_pid is not None else None
 
     def _read(self) -> list[Card]:
         if self._preset:
@@ -224,6 +244,13 @@ class MockBackend:
             raise ConfigError(f"mock GPU file {path} is not valid JSON/YAML: {exc}") from None
         cards = parse_mock(data, f"mock GPU file {path}")
         self._readings = mock_readings(data)
+        self._per_pid = {
+            CardUuid(str(item["uuid"])): {
+                int(k): float(v) for k, v in item["process_utilization"].items()
+            }
+            for item in data["gpus"]
+            if item.get("process_utilization") is not None
+        }
         self._read_stamp = stamp
         return cards
 

@@ -113,6 +113,7 @@ class NvmlBackend:
         self.probe_interval_s = probe_interval_s
         self._handles: dict[CardUuid, Any] = {}
         self._broken_since: dict[CardUuid, float] = {}
+        self._util_seen: dict[CardUuid, int] = {}  # newest sample timestamp read, per card
 
     def cards(self) -> list[Card]:
         count = self.nvml.call("nvmlDeviceGetCount")
@@ -162,6 +163,29 @@ class NvmlBackend:
             if used is not None or util is not None:
                 out[uuid] = CardReading(used, util)
         return out
+
+    def process_utilization(self, uuid: CardUuid) -> dict[int, float] | None:
+        """SM utilisation (percent) per host pid on one card since the last call,
+        as NVML samples it; {} when there is no new sample, None when the card
+        cannot tell (unknown card, per-process utilisation unsupported, e.g. MIG)."""
+        handle = self._handles.get(uuid)
+        if handle is None:
+            return None
+        lib = self.nvml.lib
+        try:
+            self.nvml.init()
+            samples = lib.nvmlDeviceGetProcessUtilization(handle, self._util_seen.get(uuid, 0))
+        except lib.NVMLError as exc:
+            if exc.value == getattr(lib, "NVML_ERROR_NOT_FOUND", 6):
+                return {}  # no sample newer than the last one
+            return None
+        per_pid: dict[int, list[int]] = {}
+        for sample in samples:
+            stamp = int(sample.timeStamp)
+            if stamp > self._util_seen.get(uuid, 0):
+                self._util_seen[uuid] = stamp
+            per_pid.setdefault(int(sample.pid), []).append(int(sample.smUtil))
+        return {pid: min(100.0, sum(v) / len(v)) for pid, v in per_pid.items()}
 
     def watch(
         self, stop: threading.Event, on_cards: CardsCallback, on_event: EventCallback

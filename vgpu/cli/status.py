@@ -27,6 +27,19 @@ class StatusError(Exception):
     pass
 
 
+def compute_shares(budget_file: Path, guarantee: int) -> dict[str, Any]:
+    """The compute arbiter's last words for a container (its budget file):
+    guarantee, burst cap, allowed and achieved share (percent); cap, allowed and
+    achieved are None where no arbiter wrote them (the guarantee is then a fixed cap)."""
+    view = budget.read_arbiter(budget_file)
+    return {
+        "core_guarantee": guarantee,
+        "core_cap": view.cap_percent if view else None,
+        "core_allowed": view.allowed_percent if view else None,
+        "core_achieved": view.achieved_percent if view else None,
+    }
+
+
 def hook_usage_mib(budget_file: Path) -> int | None:
     """Memory the container's live processes hold, as the hook records it in its
     budget file; None when unknown (no hook ran there, or the file is not a
@@ -138,6 +151,7 @@ def _slice_entry(
         "whole_cards": p.whole,
         "memory_mib": p.memory_mib,
         "memory_used_mib": hook_usage_mib(paths.budget_file),
+        **compute_shares(paths.budget_file, p.core_percent),
         "age_s": max(0.0, now - p.created_s),
         "device_ids": device_ids,
         "config_path": str(paths.config_file),
@@ -263,6 +277,11 @@ def render(doc: dict[str, Any], wide: bool = False, color: bool = False) -> str:
             lines.append(
                 f"  - {name:<48} core {core:<11} mem {mem:<10} {used:<14} age {_age(c['age_s'])}"
             )
+            if c.get("core_allowed") is not None:
+                lines.append(
+                    f"      compute: guarantee {c['core_guarantee']}%, cap {c['core_cap']:g}%, "
+                    f"allowed {c['core_allowed']:g}%, achieved {c['core_achieved']:g}%"
+                )
             if wide:
                 lines.append(f"      config {c['config_path']}")
                 for cdi in c.get("cdi_devices", []):

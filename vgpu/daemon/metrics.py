@@ -117,6 +117,41 @@ class LedgerCollector(Collector):
             dropped.add_metric([reason], count)
         yield from (core, mem, total, health, used, util, ccore, cmem, writable, unwritten)
         yield dropped
+        yield from arbiter_metrics(self.daemon, placements, who, self.container_names)
+
+
+# The compute arbiter's view of each container (vgpu/daemon/arbiter.py), percent of a card.
+ARBITER_GAUGES = {
+    "guarantee_percent": "Compute share a container is guaranteed (its vcuda-core)",
+    "cap_percent": "Burst cap: the most the arbiter lets a container use when others idle",
+    "allowed_percent": "Compute share the arbiter allows a container right now",
+    "achieved_percent": "Compute share a container achieved over the arbiter's last period",
+}
+
+
+def arbiter_metrics(
+    daemon: Daemon, placements: list[Any], who: list[str], container_names: bool
+) -> Iterator[GaugeMetricFamily]:
+    arbiter = getattr(daemon, "arbiter", None)
+    views = arbiter.views() if arbiter is not None else {}
+    families = {
+        name: GaugeMetricFamily(f"vgpu_container_core_{name}", text, labels=who)
+        for name, text in ARBITER_GAUGES.items()
+    }
+    for p in placements:
+        view = views.get(p.key)
+        if view is None:
+            continue
+        owner = p.owner
+        if not container_names:
+            names = [p.key]
+        elif owner is not None:
+            names = [owner.namespace, owner.pod, owner.container]
+        else:
+            names = ["", p.key, ""]
+        for name, family in families.items():
+            family.add_metric(names, getattr(view, name))
+    yield from families.values()
 
 
 class Metrics:

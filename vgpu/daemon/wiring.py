@@ -199,6 +199,7 @@ class Daemon:
         self.node_publisher = build_node_publisher(settings, self.pods)
         self.podresources = PodResourcesClient(settings.pod_resources_socket)
         self.metrics: Any = None
+        self.arbiter: Any = None  # vgpu.daemon.arbiter.Arbiter, once started
         self.service = PluginService(
             ServiceOptions(
                 domain=settings.resource_domain,
@@ -329,6 +330,7 @@ class Daemon:
         self._spawn("budget-watch", self._budget_loop)
         self._spawn("state-retry", self._state_retry_loop)
         self._spawn("device-nodes", self._device_node_loop)
+        self._start_arbiter()
 
     def _device_node_loop(self) -> None:
         device_node_watch(self.service.check_device_nodes, self.stop)
@@ -448,6 +450,21 @@ class Daemon:
         self._registered_with = None
         self._serve()
         self._try_register()
+
+    def _start_arbiter(self) -> None:
+        """The compute arbiter (vgpu/daemon/arbiter.py): every card, every 100 ms."""
+        from vgpu.daemon.arbiter import build_node_arbiter
+
+        self.arbiter = build_node_arbiter(
+            self.settings,
+            self.backend,
+            lambda: list(self.service.ledger.placements.values()),
+            lambda key: self.store.paths(key).budget_file,
+            self.pods,
+            self.stop,
+        )
+        if self.arbiter is not None:
+            self._spawn("arbiter", self.arbiter.run, self.stop)
 
     def _usage_loop(self) -> None:
         usage_loop(self.backend, self.stop, self.service.set_readings)

@@ -1,0 +1,290 @@
+"""No start-up storm: many processes starting CUDA at once through the hook.
+
+N processes (hooks/build/vgpu_tenant storm) start together on the stand-in
+driver, each doing init, context, a first allocation and a first launch with a
+compute limit set (VGPU_CORE_LIMIT=30, so the throttle starts and host-pid
+identification runs for all of them at once), then keep launching for a few
+seconds while identification settles. Layouts: all N in one container (one
+budget file), and N spread over 10 containers (each with its own budget file
+and PID-namespace offset).
+
+Measured, each against the same storm without the hook (no LD_PRELOAD):
+- the storm's wall time (first spawn to the last process ready); the hook's
+  added time per process = (wall with hook - wall without) / N;
+- each process's start-up (main to first launch done); the hook's p99 is that
+  p99 minus the p99 without the hook;
+- with kills: KILL_FRACTION of the processes get SIGKILL 0-40 ms after their
+  spawn (mid-start-up, possibly holding the budget lock or a slot); every
+  survivor must still be ready within DEADLINE_S (nobody waits on a dead
+  holder's lock);
+- the node daemon's arbiter runs meanwhile, as on a node;
+- identification: once settled, each live process's budget-file slot must carry
+  its own host pid (pid + its container's offset), so it is throttled on its
+  own container's share.
+
+``python -m bench.storm [--processes 300] [--quick]``; needs ``make -C hooks test-bins``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import selectors
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.common import Json, Target, machine, percentile
+from vgpu.adapters import budget
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "hooks" / "build"
+TENANT = BUILD / "vgpu_tenant"
+ADDED_LIMIT_MS = 1.0
+P99_LIMIT_MS = 20.0
+KILL_FRACTION = 0.1
+DEADLINE_S = float(os.environ.get("STORM_DEADLINE_S", "60"))
+OFFSET = 100000
+
+
+# One stand-in card state for every storm of this process: the daemon's arbiter
+# here reads it through the stand-in NVML, which maps one state file per process.
+_STATE = Path(tempfile.mkdtemp(prefix="vgpu-storm-card-")) / "gpu"
+
+
+def _start_arbiter(work: Path, containers: int, stop: threading.Event) -> threading.Thread:
+    """The node daemon's arbiter over these containers, as in production."""
+    from bench.arbiter import _nvml_backend
+    from vgpu.daemon.arbiter import Arbiter, Arbitrated
+
+    os.environ["FAKE_GPU_STATE"] = str(_STATE)
+    backend = _nvml_backend()
+    card = backend.cards()[0].uuid
+    arbitrated = [
+        Arbitrated(f"c{c}", work / f"c{c}" / budget.FILE_NAME, (card,), 30, 30)
+        for c in range(containers)
+    ]
+    thread = threading.Thread(
+        target=Arbiter(backend.process_utilization, lambda: arbitrated).run,
+        args=(stop,),
+        daemon=True,
+    )
+    thread.start()
+    return thread
+
+
+def _env(work: Path, container: int, hooked: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VGPU_", "FAKE_", "LD_"))}
+    env.update(
+        LD_LIBRARY_PATH=f"{BUILD / 'fake'}:{BUILD / 'fake-nvml'}",
+        VGPU_SHARED_DIR=str(work / f"c{container}"),
+        VGPU_CORE_LIMIT="30",
+        VGPU_MEMORY_LIMIT_MIB="65536",
+        FAKE_GPU_STATE=str(_STATE),
+        FAKE_CUDA_LAUNCH_US="50",
+        FAKE_PIDNS_OFFSET=str(OFFSET * (container + 1)),
+    )
+    if hooked:
+        env["LD_PRELOAD"] = str(BUILD / "libvgpu.so")
+    return env
+
+
+def _slots(path: Path) -> dict[int, int]:
+    """pid -> host pid of the live slots of a budget file."""
+    data = path.read_bytes()
+    hwm = budget.HEADER.unpack_from(data, 0)[4]
+    out = {}
+    for i in range(min(hwm, budget.MAX_SLOTS)):
+        pid, host = struct.unpack_from("<iI", data, budget.SLOTS_AT + i * budget.SLOT.size)
+        if pid:
+            out[pid] = host
+    return out
+
+
+def storm(
+    n: int,
+    containers: int,
+    hooked: bool,
+    kill: bool,
+    settle_s: float,
+    seed: int = 0,
+    extra_env: dict[str, str] | None = None,
+    arbiter: bool = True,
+) -> Json:
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="vgpu-storm-") as tmp:
+        work = Path(tmp)
+        for c in range(containers):
+            (work / f"c{c}").mkdir()
+            budget.ensure(work / f"c{c}" / budget.FILE_NAME)
+        envs = [{**_env(work, i, hooked), **(extra_env or {})} for i in range(containers)]
+        stop = threading.Event()
+        arbiter_thread = _start_arbiter(work, containers, stop) if hooked and arbiter else None
+        victims = set(rng.sample(range(n), int(n * KILL_FRACTION))) if kill else set()
+        procs: list[subprocess.Popen[bytes]] = []
+        spawned_at: list[float] = []
+        sel = selectors.DefaultSelector()
+        t0 = time.monotonic()
+        for i in range(n):
+            p = subprocess.Popen(
+                [str(TENANT), "storm", "1", str(settle_s)],
+                env=envs[i % containers],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+            )
+            procs.append(p)
+            spawned_at.append(time.monotonic())
+            assert p.stdout is not None
+            os.set_blocking(p.stdout.fileno(), False)
+            sel.register(p.stdout, selectors.EVENT_READ, i)
+        kill_at = {i: spawned_at[i] + rng.uniform(0, 0.04) for i in victims}
+        ready: dict[int, float] = {}
+        init_ms: dict[int, float] = {}
+        buffers: dict[int, bytes] = {}
+        killed: set[int] = set()
+        deadline = t0 + DEADLINE_S
+        while len(ready.keys() | killed) < n and time.monotonic() < deadline:
+            now = time.monotonic()
+            for i, at in list(kill_at.items()):
+                if now >= at:
+                    if i not in ready:
+                        procs[i].send_signal(signal.SIGKILL)
+                        killed.add(i)
+                    del kill_at[i]
+            for key, _ in sel.select(timeout=0.005):
+                i = key.data
+                try:
+                    chunk = os.read(key.fileobj.fileno(), 4096)  # type: ignore[union-attr]
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buffers[i] = buffers.get(i, b"") + chunk
+                for line in buffers[i].split(b"\n")[:-1]:
+                    msg = json.loads(line)
+                    if msg.get("op") == "ready" and i not in ready:
+                        ready[i] = time.monotonic()
+                        init_ms[i] = msg["init_ns"] / 1e6
+                buffers[i] = buffers[i].rsplit(b"\n", 1)[-1]
+        wall_s = (max(ready.values()) - t0) if ready else float("nan")
+        stuck = [i for i in range(n) if i not in ready and i not in killed]
+        where = {}
+        for i in stuck[:8]:  # what a stuck process waits on, for the report
+            try:
+                wchan = Path(f"/proc/{procs[i].pid}/wchan").read_text()
+                state = Path(f"/proc/{procs[i].pid}/stat").read_text().split()[2]
+                where[procs[i].pid] = f"{state} {wchan}"
+            except OSError as exc:
+                where[procs[i].pid] = f"gone ({exc.strerror})"
+        if stuck and os.environ.get("STORM_GDB"):  # where the first stuck one spins
+            trace = subprocess.run(
+                ["gdb", "-p", str(procs[stuck[0]].pid), "-batch", "-ex", "thread apply all bt"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            where["gdb"] = "\n".join(
+                line for line in trace.stdout.splitlines() if line.startswith("#")
+            )[:3000]
+        # identification, once settled (the hook retries for about 2 s): each live
+        # process's slot has its own host pid; processes hold on for settle_s
+        time.sleep(2.5)
+        right = wrong = unknown = 0
+        if hooked:
+            for c in range(containers):
+                slots = _slots(work / f"c{c}" / budget.FILE_NAME)
+                for i in range(c, n, containers):
+                    if i in killed or procs[i].poll() is not None:
+                        continue
+                    host = slots.get(procs[i].pid, 0)
+                    if host == 0:
+                        unknown += 1
+                    elif host == procs[i].pid + OFFSET * (c + 1):
+                        right += 1
+                    else:
+                        wrong += 1
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        sel.close()
+        stop.set()
+        if arbiter_thread is not None:
+            arbiter_thread.join(timeout=5)
+        values = list(init_ms.values())
+        return {
+            "processes": n,
+            "containers": containers,
+            "hook": hooked,
+            "killed": len(killed),
+            "stuck": len(stuck),
+            "stuck_in": where,
+            "wall_s": round(wall_s, 3),
+            "init_ms_p50": round(percentile(values, 50), 2) if values else None,
+            "init_ms_p99": round(percentile(values, 99), 2) if values else None,
+            "identified": {"right": right, "wrong": wrong, "unknown": unknown} if hooked else None,
+        }
+
+
+def run(processes: int = 300, quick: bool = False) -> Json:
+    if not TENANT.is_file():
+        return {"available": False, "reason": "run `make -C hooks test-bins` first", "targets": []}
+    settle_s = 8.0  # > wall + 2.5 s: every survivor is still alive when checked
+    rows = []
+    for containers in (1, 10):
+        base = storm(processes, containers, hooked=False, kill=False, settle_s=0.2)
+        hook = storm(processes, containers, hooked=True, kill=False, settle_s=settle_s)
+        killing = storm(processes, containers, hooked=True, kill=True, settle_s=settle_s)
+        rows.append({"without_hook": base, "with_hook": hook, "with_hook_and_kills": killing})
+    added = max(
+        (r["with_hook"]["wall_s"] - r["without_hook"]["wall_s"]) * 1e3 / processes for r in rows
+    )
+    p99 = max(r["with_hook"]["init_ms_p99"] - r["without_hook"]["init_ms_p99"] for r in rows)
+    stuck = sum(r[k]["stuck"] for r in rows for k in ("with_hook", "with_hook_and_kills"))
+    misidentified = sum(
+        r[k]["identified"]["wrong"] + r[k]["identified"]["unknown"]
+        for r in rows
+        for k in ("with_hook", "with_hook_and_kills")
+    )
+    return {
+        "available": True,
+        "processes": processes,
+        "layouts": rows,
+        "targets": [
+            Target(
+                "hook's added storm wall time per process", added, ADDED_LIMIT_MS, "ms"
+            ).to_json(),
+            Target("hook's p99 start-up over the driver's", p99, P99_LIMIT_MS, "ms").to_json(),
+            Target("processes stuck (waiting on a dead holder)", stuck, 0, "processes").to_json(),
+            Target(
+                "processes not throttled on their own share", misidentified, 0, "processes"
+            ).to_json(),
+        ],
+        "machine": machine(),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.storm")
+    parser.add_argument("--processes", type=int, default=300)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    result = run(args.processes)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+    return 0 if all(t["passed"] for t in result["targets"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The arbiter's allocation math and burst-cap parsing (pure)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vgpu.core.arbiter import (
+    Tenant,
+    allowed_percent,
+    arbitrate,
+    burst_cap,
+    estimate_demand,
+    share_out,
+)
+
+T = Tenant
+
+SHARE_CASES = [
+    ("alone-at-guarantee", [T(30, 30, 100)], [30]),
+    ("alone-capped-100-light", [T(30, 100, 35)], [35]),
+    ("alone-capped-100-greedy", [T(30, 100, 100)], [100]),
+    ("10-90-greedy", [T(10, 10, 100), T(90, 90, 100)], [10, 90]),
+    ("30-60-default-caps", [T(30, 30, 100), T(60, 60, 100)], [30, 60]),
+    ("30-60-caps-100", [T(30, 100, 100), T(60, 100, 100)], [100 / 3, 200 / 3]),
+    ("noisy-neighbour", [T(10, 100, 100), T(50, 50, 100)], [50, 50]),
+    ("noisy-neighbour-idle", [T(10, 100, 100), T(50, 50, 5)], [95, 5]),
+    ("guarantee-before-burst", [T(10, 100, 100), T(90, 90, 100)], [10, 90]),
+    ("cap-stops-burst", [T(20, 40, 100), T(20, 100, 10)], [40, 10]),
+    ("spill-over-from-capped", [T(20, 25, 100), T(20, 100, 100), T(20, 30, 100)], [25, 45, 30]),
+    ("nobody-wants", [T(30, 100, 0), T(60, 100, 0)], [0, 0]),
+    ("best-effort-weighs-one", [T(0, 100, 100), T(49, 100, 100)], [1.02, 98.98]),
+    ("overcommitted-guarantees", [T(60, 60, 100), T(60, 60, 100)], [50, 50]),
+    ("no-tenants", [], []),
+]
+
+
+@pytest.mark.parametrize(
+    ("tenants", "want"), [c[1:] for c in SHARE_CASES], ids=[c[0] for c in SHARE_CASES]
+)
+def test_share_out(tenants: list[Tenant], want: list[float]) -> None:
+    assert share_out(tenants) == pytest.approx(want, abs=1e-6)
+
+
+DEMAND_CASES = [
+    # id, achieved, allowed, share, guarantee, cap, want
+    ("presses-its-allowance", 29, 30, 30, 30, 100, 100),
+    ("presses-cap-only-cap", 50, 50, 50, 50, 50, 50),
+    ("light-program", 20, 50, 25, 50, 100, 25),
+    ("idle", 0, 30, 5, 30, 100, 5),
+    ("woke-up-squeezed", 6, 50, 5, 50, 50, 50),
+    ("uses-its-share-wants-step", 40, 100, 40, 30, 100, 45),
+    ("achieved-above-100-clamped", 250, 100, 100, 10, 100, 100),
+]
+
+
+@pytest.mark.parametrize(
+    ("achieved", "allowed", "share", "guarantee", "cap", "want"),
+    [c[1:] for c in DEMAND_CASES],
+    ids=[c[0] for c in DEMAND_CASES],
+)
+def test_estimate_demand(
+    achieved: float, allowed: float, share: float, guarantee: float, cap: float, want: float
+) -> None:
+    assert estimate_demand(achieved, allowed, share, guarantee, cap) == pytest.approx(want)
+
+
+def test_allowed_never_below_guarantee_nor_above_cap() -> None:
+    assert allowed_percent(5, 30, 100) == 30
+    assert allowed_percent(70, 30, 100) == 70
+    assert allowed_percent(70, 30, 50) == 50
+
+
+def test_arbitrate_converges_for_a_greedy_neighbour() -> None:
+    """A greedy tenant (guarantee 10, cap 100) beside a 50 % one: after the
+    neighbour leaves, the greedy one gets the card; when it comes back, its
+    guarantee is restored on the first period that sees it."""
+    g, c = [10.0, 50.0], [100.0, 50.0]
+    allowed, share = [10.0, 50.0], [10.0, 50.0]
+    for achieved in ([10, 50], [50, 50], [50, 50]):
+        share, allowed = arbitrate(g, c, [float(a) for a in achieved], allowed, share)
+    assert share == pytest.approx([50, 50])
+    for _ in range(3):  # the neighbour is idle
+        share, allowed = arbitrate(g, c, [allowed[0], 0.0], allowed, share)
+    assert share[0] >= 94 and allowed[1] == 50
+    share, allowed = arbitrate(g, c, [90.0, 8.0], allowed, share)  # it is back, squeezed
+    assert share == pytest.approx([50, 50])
+
+
+tenant = st.builds(
+    lambda g, extra, d: Tenant(g, min(100.0, g + extra), d),
+    st.floats(0, 100),
+    st.floats(0, 100),
+    st.floats(0, 100),
+)
+
+
+def _fits(tenants: list[Tenant]) -> list[Tenant]:
+    """Guarantees as placement makes them: never more than the card."""
+    total = sum(t.guarantee_percent for t in tenants)
+    if total <= 100:
+        return tenants
+    return [
+        Tenant(t.guarantee_percent * 100 / total, t.cap_percent, t.demand_percent) for t in tenants
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(tenant, max_size=12))
+def test_share_out_properties(raw: list[Tenant]) -> None:
+    tenants = _fits(raw)
+    shares = share_out(tenants)
+    assert sum(shares) <= 100 + 1e-6
+    for t, s in zip(tenants, shares, strict=True):
+        assert s >= min(t.guarantee_percent, t.demand_percent) - 1e-6
+        assert s <= t.cap_percent + 1e-6
+        assert s <= t.demand_percent + 1e-6
+    # work-conserving: idle capacity only if everyone has all it wants (up to its cap)
+    if sum(shares) < 100 - 1e-6:
+        for t, s in zip(tenants, shares, strict=True):
+            assert s == pytest.approx(min(t.cap_percent, t.demand_percent), abs=1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(tenant, min_size=1, max_size=8))
+def test_share_out_is_deterministic_and_order_free(raw: list[Tenant]) -> None:
+    tenants = _fits(raw)
+    shares = share_out(tenants)
+    assert share_out(tenants) == shares
+    assert share_out(tenants[::-1]) == pytest.approx(shares[::-1], abs=1e-6)
+
+
+DOMAIN = "vgpu.io"
+CAP_CASES = [
+    # id, annotations, guarantee, default, want cap, problem substrings
+    ("none-equals-guarantee", {}, 30, None, 30, []),
+    ("cluster-default", {}, 30, 80, 80, []),
+    ("default-below-guarantee", {}, 30, 20, 30, []),
+    ("pod-annotation", {f"{DOMAIN}/vcuda-core-limit": "90"}, 30, None, 90, []),
+    ("percent-sign", {f"{DOMAIN}/vcuda-core-limit": " 90% "}, 30, None, 90, []),
+    (
+        "container-wins",
+        {f"{DOMAIN}/vcuda-core-limit": "90", f"{DOMAIN}/vcuda-core-limit.main": "60"},
+        30,
+        None,
+        60,
+        [],
+    ),
+    (
+        "bad-container-falls-to-pod",
+        {f"{DOMAIN}/vcuda-core-limit": "90", f"{DOMAIN}/vcuda-core-limit.main": "lots"},
+        30,
+        None,
+        90,
+        ["vcuda-core-limit.main", "not a whole percent"],
+    ),
+    ("below-guarantee", {f"{DOMAIN}/vcuda-core-limit": "10"}, 30, None, 30, ["outside 30-100"]),
+    ("above-100", {f"{DOMAIN}/vcuda-core-limit": "101"}, 30, 50, 50, ["outside 30-100"]),
+    ("negative", {f"{DOMAIN}/vcuda-core-limit": "-5"}, 30, None, 30, ["not a whole percent"]),
+    ("fraction", {f"{DOMAIN}/vcuda-core-limit": "50.5"}, 30, None, 30, ["not a whole percent"]),
+    ("huge", {f"{DOMAIN}/vcuda-core-limit": "9" * 5000}, 30, None, 30, ["not a whole percent"]),
+    ("other-container", {f"{DOMAIN}/vcuda-core-limit.side": "90"}, 30, None, 30, []),
+]
+
+
+@pytest.mark.parametrize(
+    ("annotations", "guarantee", "default", "want", "problems"),
+    [c[1:] for c in CAP_CASES],
+    ids=[c[0] for c in CAP_CASES],
+)
+def test_burst_cap(
+    annotations: dict[str, str],
+    guarantee: int,
+    default: int | None,
+    want: int,
+    problems: list[str],
+) -> None:
+    choice = burst_cap(annotations, DOMAIN, "main", guarantee, default)
+    assert choice.cap_percent == want
+    text = " ".join(choice.problems)
+    for part in problems:
+        assert part in text
+    assert bool(choice.problems) == bool(problems)
+    assert all(len(p) < 200 for p in choice.problems)

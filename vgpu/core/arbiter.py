@@ -1,0 +1,208 @@
+"""Compute arbitration on one card: who may use how much of it, right now.
+
+The node daemon runs this every arbiter period (<= 100 ms) for each card that
+holds fractional slices. Inputs per container are its guarantee (the
+`vcuda-core` it was placed with), its burst cap (annotation, DRA opaque
+parameter or the cluster default; never below the guarantee) and what it
+achieved over the last period (SM utilisation of its host pids, from NVML).
+
+- `estimate_demand` turns what a container achieved into what it would use if
+  it could, from where it stood against its last allowance;
+- `share_out` divides the card: first each container's guarantee as far as it
+  wants it, then what is left in proportion to the guarantees, up to each
+  container's cap and demand (water-filling). The result never sums above the
+  card, never exceeds a cap, and leaves nothing idle that someone below its cap
+  wants (work-conserving);
+- `allowed_percent` is what goes into the container's budget file: its share,
+  but never below its guarantee, so a container that was idle can always climb
+  back to its guarantee at once, without waiting for the next period.
+
+Also here: the burst-cap annotations (`<domain>/vcuda-core-limit` and
+`<domain>/vcuda-core-limit.<container>`), parsed strictly; a bad value is a
+problem to report, never trusted. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+CARD_PERCENT = 100.0
+# A container "presses" its allowance when it achieves within this much of it.
+PRESS_MARGIN_PERCENT = 3.0
+PRESS_MARGIN_FRACTION = 0.08
+# What a container below its allowance may grow into before the next period.
+HEADROOM_PERCENT = 5.0
+# Below this a container counts as idle.
+IDLE_PERCENT = 1.0
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One container on one card, as the arbiter sees it (percent of the card)."""
+
+    guarantee_percent: float
+    cap_percent: float
+    demand_percent: float
+
+
+def _press_margin(allowed_percent: float) -> float:
+    return max(PRESS_MARGIN_PERCENT, PRESS_MARGIN_FRACTION * allowed_percent)
+
+
+def estimate_demand(
+    achieved_percent: float,
+    allowed_percent: float,
+    share_percent: float,
+    guarantee_percent: float,
+    cap_percent: float,
+    throttled: bool | None = None,
+) -> float:
+    """What a container would use, judged from its last period.
+
+    - Its hooks held launches back (`throttled`), or, where that is not known,
+      it achieved (about) all it was allowed: it wants as much as it may (its cap).
+    - It achieved all of its planned share, but the card was shared: it may be
+      squeezed by its neighbours, so it wants at least its guarantee and a step more.
+    - Otherwise its own program is the limit: what it achieved, plus headroom.
+    """
+    achieved = max(0.0, min(CARD_PERCENT, achieved_percent))
+    if throttled or (
+        throttled is None and achieved >= allowed_percent - _press_margin(allowed_percent)
+    ):
+        return cap_percent
+    if achieved > IDLE_PERCENT and achieved >= share_percent - _press_margin(share_percent):
+        return min(cap_percent, max(guarantee_percent, share_percent + HEADROOM_PERCENT))
+    return min(cap_percent, achieved + HEADROOM_PERCENT)
+
+
+def share_out(tenants: Sequence[Tenant], capacity_percent: float = CARD_PERCENT) -> list[float]:
+    """Each tenant's share of the card (percent), in the tenants' order.
+
+    1. Every tenant gets min(guarantee, demand); should the guarantees ever sum
+       above the card (they cannot through placement), they are scaled down alike.
+    2. The rest goes to tenants still below min(cap, demand), in proportion to
+       their guarantees (a tenant without a guarantee weighs as 1 %), water-filling
+       until nothing is left or nobody wants more.
+    """
+    n = len(tenants)
+    if n == 0:
+        return []
+    target = [max(0.0, min(t.cap_percent, t.demand_percent, capacity_percent)) for t in tenants]
+    base = [min(max(0.0, t.guarantee_percent), target[i]) for i, t in enumerate(tenants)]
+    total = sum(base)
+    if total > capacity_percent:
+        base = [b * capacity_percent / total for b in base]
+    share = list(base)
+    left = capacity_percent - sum(share)
+    weights = [max(1.0, t.guarantee_percent) for t in tenants]
+    for _ in range(n + 1):  # each round fills at least one tenant up, or ends
+        hungry = [i for i in range(n) if target[i] - share[i] > _EPS]
+        if left <= _EPS or not hungry:
+            break
+        weight = sum(weights[i] for i in hungry)
+        given = 0.0
+        for i in hungry:
+            give = min(left * weights[i] / weight, target[i] - share[i])
+            share[i] += give
+            given += give
+        left -= given
+    return share
+
+
+def allowed_percent(share: float, guarantee_percent: float, cap_percent: float) -> float:
+    """The allowance written for a container: its share, never below its guarantee
+    (it may always climb back to it at once), never above its cap."""
+    return min(cap_percent, max(share, guarantee_percent))
+
+
+def arbitrate(
+    guarantees: Sequence[float],
+    caps: Sequence[float],
+    achieved: Sequence[float],
+    previous_allowed: Sequence[float],
+    previous_share: Sequence[float],
+    throttled: Sequence[bool | None] | None = None,
+) -> tuple[list[float], list[float]]:
+    """One period on one card: (shares, allowances) for every container.
+    `throttled`: whether each container's hooks held launches back (None: unknown)."""
+    held = list(throttled) if throttled is not None else [None] * len(guarantees)
+    tenants = [
+        Tenant(
+            guarantee_percent=g,
+            cap_percent=c,
+            demand_percent=estimate_demand(a, pa, ps, g, c, h),
+        )
+        for g, c, a, pa, ps, h in zip(
+            guarantees, caps, achieved, previous_allowed, previous_share, held, strict=True
+        )
+    ]
+    shares = share_out(tenants)
+    allowed = [
+        allowed_percent(s, t.guarantee_percent, t.cap_percent)
+        for s, t in zip(shares, tenants, strict=True)
+    ]
+    return shares, allowed
+
+
+# ---- the burst cap ----
+
+
+def core_limit_key(domain: str, container: str | None = None) -> str:
+    """`<domain>/vcuda-core-limit`, or its per-container form."""
+    key = f"{domain}/vcuda-core-limit"
+    return f"{key}.{container}" if container else key
+
+
+@dataclass(frozen=True)
+class CapChoice:
+    """A container's burst cap and any annotation that was ignored (with why)."""
+
+    cap_percent: int
+    problems: tuple[str, ...] = ()
+
+
+def _parse_percent(text: str) -> int | None:
+    text = text.strip()
+    if text.endswith("%"):
+        text = text[:-1].strip()
+    if not text.isdigit() or len(text) > 3:
+        return None
+    return int(text)
+
+
+def burst_cap(
+    annotations: Mapping[str, str],
+    domain: str,
+    container: str,
+    guarantee_percent: int,
+    default_percent: int | None,
+) -> CapChoice:
+    """The cap of one container: its own annotation, else the pod's, else the
+    cluster default, else its guarantee. A cap is a whole percent between the
+    guarantee and 100 (a trailing % is accepted); anything else is ignored, with a
+    problem naming the annotation, and the next source applies. A cap can only
+    raise the container's own ceiling: it never lowers its guarantee."""
+    problems: list[str] = []
+    for key in (core_limit_key(domain, container), core_limit_key(domain)):
+        raw = annotations.get(key)
+        if raw is None:
+            continue
+        value = _parse_percent(raw) if len(raw) <= 16 else None
+        if value is None:
+            problems.append(
+                f"annotation {key}={raw[:32]!r} is not a whole percent; ignored "
+                f"(write a number from {guarantee_percent} to 100)"
+            )
+            continue
+        if not guarantee_percent <= value <= 100:
+            problems.append(
+                f"annotation {key}={value} is outside {guarantee_percent}-100 (the container's "
+                f"guarantee to the whole card); ignored"
+            )
+            continue
+        return CapChoice(value, tuple(problems))
+    if default_percent is not None:
+        return CapChoice(max(guarantee_percent, min(100, default_percent)), tuple(problems))
+    return CapChoice(guarantee_percent, tuple(problems))
