@@ -100,8 +100,8 @@ def _publication(node: DraSimNode, root: Path, toggles: int) -> list[float]:
         want = [f"gpu-{k}" for k in range(CARDS) if not (sick and k == 1)]
         started = time.perf_counter()
         _mock_file(root, unhealthy=sick)
-        if not wait_until(lambda w=want: node.published() == w, 10.0, 0.002):  # type: ignore[misc]
-            raise RuntimeError(f"the slice did not follow the health change: {node.published()}")
+        if not wait_until(lambda w=want: node.schedulable() == w, 10.0, 0.002):  # type: ignore[misc]
+            raise RuntimeError(f"the slice did not follow the health change: {node.schedulable()}")
         times.append(time.perf_counter() - started)
     return times
 

@@ -17,6 +17,7 @@ import pytest
 
 from tests.cdi_schema import validate_spec
 from tests.conftest import MockGpusFile, NodeFactory, card
+from vgpu.core.slicing import parse_device_id
 from vgpu.sim.harness import SimNode, wait_until
 from vgpu.sim.runtime import ContainerCreateError, container_view
 
@@ -69,12 +70,14 @@ def test_only_nodes_present_on_the_host_are_named(
     # Card 1 has no device node on the host: unhealthy in ListAndWatch, with the reason logged.
     assert wait_until(
         lambda: (
-            {h for d, h in node.kubelet.devices(CORE).items() if "000000000001" in d}
+            {h for d, h in node.kubelet.devices(CORE).items() if parse_device_id(d).card_index == 1}
             == {"Unhealthy"}
         ),
         10,
     )
-    assert {h for d, h in node.kubelet.devices(CORE).items() if "000000000000" in d} == {"Healthy"}
+    assert {
+        h for d, h in node.kubelet.devices(CORE).items() if parse_device_id(d).card_index == 0
+    } == {"Healthy"}
     assert "/dev/nvidia1 does not exist on the host" in node.log()
     cards = json.loads((node.state_dir / "node.json").read_text())["cards"]
     assert [c["problem"] for c in cards] == [

@@ -38,7 +38,8 @@ def test_first_admission_uses_the_pod_cache_and_answers_once(
     # The first answer carries the whole contract; the second adds nothing.
     assert first.envs["VGPU_CORE_LIMIT"] == "30"
     assert first.envs["VGPU_MEMORY_LIMIT_MIB"] == str(40 * 256)
-    assert len(first.mounts) >= 2 and len(first.devices) >= 1
+    # (A preset card names no device node: see tests/integration/test_device_lists.py.)
+    assert len(first.mounts) >= 2
     assert second.ByteSize() == 0, second
     assert c.envs == dict(first.envs) and not c.clashes
 

@@ -17,6 +17,9 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from vgpu.core.contract import card_node, judge_nodes
+from vgpu.core.model import Card
+
 log = logging.getLogger("vgpu")
 
 UVM_NODES = ("/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
@@ -33,6 +36,12 @@ class HostDevices:
     def host_path(self, node: str) -> Path:
         """Where /dev/<name> of the host is seen from here."""
         return self.root / node.removeprefix("/dev/").lstrip("/")
+
+    def judge(self, card: Card) -> Card:
+        """The card with its own device node's presence applied (see
+        vgpu.core.contract.judge_nodes): one stat."""
+        own = card_node(card)
+        return judge_nodes(card, self.present([own] if own else []))
 
     def present(self, nodes: Iterable[str]) -> frozenset[str]:
         """The nodes among `nodes` that exist now; each missing one logged once

@@ -15,11 +15,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from vgpu.adapters.kube_errors import api_error_text
+from vgpu.adapters.kube_events import warning_event
 from vgpu.core.annotations import assignment_key, parse_assignment
 from vgpu.core.model import CardUuid, ContainerSpec, Request, Resource
 from vgpu.core.readiness import ApiHealth
@@ -356,29 +357,7 @@ class KubePodCache:
         self, namespace: str, pod: str, uid: str, container: str, reason: str, text: str
     ) -> None:
         """A Warning Event on the pod (KubeUnavailable when the API refuses it)."""
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{pod}.", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "namespace": namespace,
-                "name": pod,
-                "uid": uid,
-                "fieldPath": f"spec.containers{{{container}}}",
-            },
-            "reason": reason,
-            "message": text[:1024],
-            "type": "Warning",
-            "source": {"component": "vgpu", "host": self.node_name},
-            "reportingComponent": "vgpu",
-            "reportingInstance": self.node_name,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
+        body = warning_event(namespace, pod, uid, reason, text, self.node_name or "", container)
         try:
             self._client().create_namespaced_event(namespace, body, _request_timeout=5)
         except Exception as exc:

@@ -66,26 +66,38 @@ class KubeEvents:
                 log.warning("posting an Event for %s/%s failed: %s", item[0], item[1], exc)
 
     def _post(self, namespace: str, pod: str, pod_uid: str, reason: str, message: str) -> None:
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{pod}.", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "namespace": namespace,
-                "name": pod,
-                "uid": pod_uid,
-            },
-            "reason": reason,
-            "message": message[:1024],
-            "type": "Warning",
-            "source": {"component": COMPONENT, "host": self._node},
-            "reportingComponent": COMPONENT,
-            "reportingInstance": self._node,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
+        body = warning_event(namespace, pod, pod_uid, reason, message, self._node)
         self._client().create_namespaced_event(namespace, body)
+
+
+def warning_event(
+    namespace: str,
+    pod: str,
+    pod_uid: str,
+    reason: str,
+    message: str,
+    node: str,
+    container: str | None = None,
+) -> dict[str, Any]:
+    """The body of a core/v1 Warning Event about a pod (or one of its
+    containers), as `kubectl describe pod` shows it."""
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    involved = {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": pod}
+    involved["uid"] = pod_uid
+    if container is not None:
+        involved["fieldPath"] = f"spec.containers{{{container}}}"
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{pod}.", "namespace": namespace},
+        "involvedObject": involved,
+        "reason": reason,
+        "message": message[:1024],
+        "type": "Warning",
+        "source": {"component": COMPONENT, "host": node},
+        "reportingComponent": COMPONENT,
+        "reportingInstance": node,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }

@@ -28,9 +28,7 @@ from vgpu.adapters.gpus import CardReading
 from vgpu.adapters.nodefile import node_document, write_node_file
 from vgpu.core.contract import (
     ContainerEdits,
-    card_node,
     container_edits,
-    judge_nodes,
     wanted_nodes,
     with_hook_injection,
 )
@@ -144,10 +142,7 @@ class DraService:
             self._publish()
 
     def _judge_nodes(self, card: Card) -> Card:
-        if self.devices is None:
-            return card
-        own = card_node(card)
-        return judge_nodes(card, self.devices.present([own] if own else []))
+        return card if self.devices is None else self.devices.judge(card)
 
     def check_device_nodes(self) -> None:
         """Re-check every card's own device node (periodic); publish on change."""

@@ -30,9 +30,7 @@ from vgpu.adapters.podresources import PodResourcesClient, PodResourcesUnavailab
 from vgpu.core.annotations import format_inventory, node_key, placements_key
 from vgpu.core.contract import (
     ContainerEdits,
-    card_node,
     container_edits,
-    judge_nodes,
     wanted_nodes,
     with_hook_injection,
 )
@@ -159,10 +157,7 @@ class PluginService:
         return self._judge_nodes(self.tracker.judge(card))
 
     def _judge_nodes(self, card: Card) -> Card:
-        if self.devices is None:
-            return card
-        own = card_node(card)
-        return judge_nodes(card, self.devices.present([own] if own else []))
+        return card if self.devices is None else self.devices.judge(card)
 
     def check_device_nodes(self) -> None:
         """Re-check every card's own device node (periodic): a card whose node

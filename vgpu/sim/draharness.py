@@ -189,6 +189,13 @@ class DraSimNode:
         found = self.slice()
         return [d["name"] for d in (found or {}).get("spec", {}).get("devices") or []]
 
+    def schedulable(self) -> list[str]:
+        """The published devices without a taint (a sick card stays published,
+        tainted NoSchedule, so that the claims on it stay visible)."""
+        found = self.slice()
+        devices = (found or {}).get("spec", {}).get("devices") or []
+        return [d["name"] for d in devices if not d.get("taints")]
+
     # ------------------------------------------------------------ claims
 
     def claim(
