@@ -473,11 +473,13 @@ class KubePodCache:
                     resource_version = None
                     continue
                 self._synced = False
+                resource_version = None  # list again: resync, and be ready once it answers
                 self._failed(exc, backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
             except Exception as exc:  # urllib3, socket and client errors alike
                 self._synced = False
+                resource_version = None  # list again: resync, and be ready once it answers
                 self._failed(exc, backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
