@@ -529,40 +529,10 @@ def test_plain_tcp_and_slow_handshakes_do_not_stall_it(start: Start) -> None:
 
 
 def test_vgpu_webhook_as_a_subprocess(api: FakeApiServer, kubeconfig: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     with tempfile.TemporaryDirectory(prefix="vgwh") as d:
         cert_dir = Path(d) / "certs"
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "vgpu.cli.main",
-                "webhook",
-                "--listen",
-                f"127.0.0.1:{port}",
-                "--kubeconfig",
-                str(kubeconfig),
-                "--cert-dir",
-                str(cert_dir),
-                "--secret",
-                f"{NS}/{SECRET}",
-                "--service",
-                f"{NS}/vgpu-webhook",
-                "--tls-san",
-                "127.0.0.1",
-                "--mutating-config",
-                MUT,
-                "--validating-config",
-                VAL,
-                "--resource-domain",
-                D,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        proc = _spawn(kubeconfig, port, cert_dir, "--resource-domain", D)
         try:
             ctx: ssl.SSLContext | None = None
 
@@ -667,7 +637,7 @@ def test_a_slow_head_or_handshake_is_cut(start: Start) -> None:
         assert time.monotonic() - t0 < 10
 
 
-def _spawn(kubeconfig: Path, port: int, cert_dir: Path) -> subprocess.Popen[bytes]:
+def _spawn(kubeconfig: Path, port: int, cert_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -690,9 +660,11 @@ def _spawn(kubeconfig: Path, port: int, cert_dir: Path) -> subprocess.Popen[byte
             MUT,
             "--validating-config",
             VAL,
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
 
 
