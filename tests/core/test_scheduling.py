@@ -7,7 +7,7 @@ import itertools
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.core.helpers import UNIT, cards
@@ -295,6 +295,9 @@ def test_fast_paths_agree_with_the_fit_rules(
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(running_pods, st.lists(slices, min_size=2, max_size=4), st.sampled_from(list(Policy)))
+# Two cards equally full by integer amounts but not by a float sum of steps: the
+# tie must go to the lowest index, as in fit.choose_fractional.
+@example([((0, 1), 0), ((0, 479), 0), ((0, 315), 0)], [(0, 165), (0, 1)], Policy.BINPACK)
 def test_the_fast_path_places_several_slices_as_place_pod_does(
     running: list[tuple[tuple[int, int], int]], new: list[tuple[int, int]], policy: Policy
 ) -> None:

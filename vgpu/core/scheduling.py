@@ -258,12 +258,15 @@ def _greedy(node: _Node, requests: Sequence[Request], binpack: bool) -> tuple[fl
         if best < 0:
             return None
         room = rooms[best]
-        step = core / CORE_UNITS_PER_CARD + mem / max(1, room[4])
+        units = max(1, room[4])
         room[0] -= core
         room[1] -= mem
-        room[2] += step
-        touched[best] = room[2]
-        added += step
+        # From the integer amounts, as fit.choose_fractional computes it: a float
+        # sum of steps can split a tie that the lowest index should break.
+        after = (CORE_UNITS_PER_CARD - room[0]) / CORE_UNITS_PER_CARD + (room[4] - room[1]) / units
+        added += after - room[2]
+        room[2] = after
+        touched[best] = after
     return sum(f / 2 for f in touched.values()) / len(touched), added
 
 
