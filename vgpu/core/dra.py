@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from vgpu.core.arbiter import CapChoice, _parse_percent
+from vgpu.core.arbiter import CapChoice, _parse_percent, default_core_cap
 from vgpu.core.errors import InvalidRequest, UnknownDevice
 from vgpu.core.model import CORE_UNITS_PER_CARD, Card
 
@@ -607,9 +607,7 @@ def claim_core_limit(
         chosen = value
     if chosen is not None:
         return CapChoice(chosen, tuple(problems))
-    if default_percent is not None:
-        return CapChoice(max(guarantee_percent, min(100, default_percent)), tuple(problems))
-    return CapChoice(guarantee_percent, tuple(problems))
+    return CapChoice(default_core_cap(guarantee_percent, default_percent), tuple(problems))
 
 
 def _configs(devices: Any) -> tuple[OpaqueConfig, ...]:
