@@ -10,33 +10,25 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MockGpusFile, card
+from tests.integration.test_arbiter_caps import _free_port, _gauges
 from vgpu.adapters import budget
 from vgpu.sim.allocator import claim_body
 from vgpu.sim.draharness import DraSimNode, PodRun
 
 pytestmark = pytest.mark.timeout(90)
 DRIVER = "vgpu.vendor.io"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(check: Callable[[], Any], timeout_s: float) -> Any:
@@ -139,16 +131,6 @@ def node_factory(short_tmp: Path) -> Iterator[Callable[..., DraSimNode]]:
         assert "Traceback" not in log, log[-4000:]
 
 
-def _gauges(port: int) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {
-        sample.name: float(sample.value)
-        for family in text_string_to_metric_families(body)
-        for sample in family.samples
-        if sample.name.startswith("vgpu_container_core_")
-    }
-
-
 def test_a_claims_core_limit_caps_it_and_the_arbiter_lets_it_burst(
     gpus: Callable[[dict[int, float]], Path], node_factory: Callable[..., DraSimNode]
 ) -> None:
@@ -169,9 +151,7 @@ def test_a_claims_core_limit_caps_it_and_the_arbiter_lets_it_burst(
     hook = BusyHook(shm)
     try:
         gpus({os.getpid(): 75})
-        view = _wait(
-            lambda: (v := budget.read_arbiter(shm)) and v.allowed_percent == 80 and v, 5
-        )
+        view = _wait(lambda: (v := budget.read_arbiter(shm)) and v.allowed_percent == 80 and v, 5)
         assert view.cap_percent == 80 and view.guarantee_percent == 30
         _wait(lambda: (v := budget.read_arbiter(shm)) and v.achieved_percent == 75, 5)
 
@@ -183,7 +163,7 @@ def test_a_claims_core_limit_caps_it_and_the_arbiter_lets_it_burst(
             check=True,
         ).stdout
         assert "compute: guarantee 30%, cap 80%, allowed 80%, achieved 75%" in status, status
-        gauges = _gauges(port)
+        gauges = _gauges("vgpu_container_core_", port)
         want = {
             "vgpu_container_core_guarantee_percent": 30.0,
             "vgpu_container_core_cap_percent": 80.0,
@@ -202,9 +182,7 @@ def test_a_claims_core_limit_caps_it_and_the_arbiter_lets_it_burst(
     node.start_daemon()
     hook = BusyHook(shm)
     try:
-        view = _wait(
-            lambda: (v := budget.read_arbiter(shm)) and v.cap_percent == 30 and v, 5
-        )
+        view = _wait(lambda: (v := budget.read_arbiter(shm)) and v.cap_percent == 30 and v, 5)
         time.sleep(0.3)  # several periods of pressing: still its guarantee
         view = budget.read_arbiter(shm)
         assert view is not None and view.allowed_percent == 30
@@ -224,9 +202,11 @@ def test_a_bad_core_limit_gets_an_event_and_the_default_cap(
     assert all(r.ok for r in runs), [r.reply for r in runs]
 
     events = _wait(
-        lambda: (e := [e for e in node.api.events() if e["reason"] == "InvalidCoreLimit"])
-        and len(e) == 2
-        and e,
+        lambda: (
+            (e := [e for e in node.api.events() if e["reason"] == "InvalidCoreLimit"])
+            and len(e) == 2
+            and e
+        ),
         5,
     )
     by_pod = {e["involvedObject"]["name"]: e for e in events}

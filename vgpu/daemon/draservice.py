@@ -62,6 +62,10 @@ from vgpu.daemon.service import install_or_refuse
 log = logging.getLogger("vgpu")
 
 
+def _cap_text(cap: int | None) -> str:
+    return f" (burst cap {cap}%)" if cap is not None else ""
+
+
 @dataclass(frozen=True)
 class DraOptions:
     domain: str
@@ -347,7 +351,7 @@ class DraService:
                 ",".join(device_name(c) for c in grant.cards),
                 "whole card"
                 if grant.whole
-                else f"core {grant.core_percent}% (burst cap {record.core_cap(grant.request)}%), "
+                else f"core {grant.core_percent}%{_cap_text(record.core_cap(grant.request))}, "
                 f"memory {grant.memory_mib} MiB",
             )
         self.events("prepared", {"claim": ref.uid})
@@ -487,9 +491,7 @@ class DraService:
         with self._lock:
             cap = self._caps.get(placement.key)
         if cap is None:
-            return default_core_cap(
-                placement.core_percent, self.options.default_core_limit_percent
-            )
+            return default_core_cap(placement.core_percent, self.options.default_core_limit_percent)
         return max(cap, placement.core_percent)
 
     def placements(self) -> list[Placement]:
