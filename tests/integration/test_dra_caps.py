@@ -143,7 +143,7 @@ def test_a_claims_core_limit_caps_it_and_the_arbiter_lets_it_burst(
     shm = _budget_file(run, "nb")
     # The guarantee stays the hook's fixed fallback cap (VGPU_CORE_LIMIT).
     assert run.edits["nb"].env["VGPU_CORE_LIMIT"] == "30"
-    view = _wait(lambda: budget.read_arbiter(shm), 5)
+    view = _wait(lambda: budget.read_arbiter(shm), 10)
     assert (view.guarantee_percent, view.cap_percent, view.allowed_percent) == (30, 80, 30)
     assert _record(node)[1]["core_caps"] == {"gpu": 80}
 
@@ -151,9 +151,9 @@ def test_a_claims_core_limit_caps_it_and_the_arbiter_lets_it_burst(
     hook = BusyHook(shm)
     try:
         gpus({os.getpid(): 75})
-        view = _wait(lambda: (v := budget.read_arbiter(shm)) and v.allowed_percent == 80 and v, 5)
+        view = _wait(lambda: (v := budget.read_arbiter(shm)) and v.allowed_percent == 80 and v, 10)
         assert view.cap_percent == 80 and view.guarantee_percent == 30
-        _wait(lambda: (v := budget.read_arbiter(shm)) and v.achieved_percent == 75, 5)
+        _wait(lambda: (v := budget.read_arbiter(shm)) and v.achieved_percent == 75, 10)
 
         status = subprocess.run(
             [sys.executable, "-m", "vgpu", "status", "--state-dir", str(node.state_dir)],
@@ -182,7 +182,7 @@ def test_a_claims_core_limit_caps_it_and_the_arbiter_lets_it_burst(
     node.start_daemon()
     hook = BusyHook(shm)
     try:
-        view = _wait(lambda: (v := budget.read_arbiter(shm)) and v.cap_percent == 30 and v, 5)
+        view = _wait(lambda: (v := budget.read_arbiter(shm)) and v.cap_percent == 30 and v, 10)
         time.sleep(0.3)  # several periods of pressing: still its guarantee
         view = budget.read_arbiter(shm)
         assert view is not None and view.allowed_percent == 30
@@ -220,7 +220,7 @@ def test_a_bad_core_limit_gets_an_event_and_the_default_cap(
         assert text in by_pod["p-low"]["message"], by_pod["p-low"]["message"]
 
     caps = {
-        name: _wait(lambda r=r, name=name: budget.read_arbiter(_budget_file(r, name)), 5)
+        name: _wait(lambda r=r, name=name: budget.read_arbiter(_budget_file(r, name)), 10)
         for r, name in zip(runs, ("lots", "low", "plain"), strict=True)
     }
     assert {n: (v.guarantee_percent, v.cap_percent) for n, v in caps.items()} == {
