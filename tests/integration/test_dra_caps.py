@@ -219,10 +219,11 @@ def test_a_bad_core_limit_gets_an_event_and_the_default_cap(
     for text in ("default/low", "coreLimit=10", "outside 30-100", "burst cap is 50%"):
         assert text in by_pod["p-low"]["message"], by_pod["p-low"]["message"]
 
-    caps = {
-        name: _wait(lambda r=r, name=name: budget.read_arbiter(_budget_file(r, name)), 10)
-        for r, name in zip(runs, ("lots", "low", "plain"), strict=True)
-    }
+    def written(run: PodRun, name: str) -> budget.ArbiterView:
+        shm = _budget_file(run, name)
+        return _wait(lambda: budget.read_arbiter(shm), 10)  # type: ignore[no-any-return]
+
+    caps = {name: written(r, name) for r, name in zip(runs, ("lots", "low", "plain"), strict=True)}
     assert {n: (v.guarantee_percent, v.cap_percent) for n, v in caps.items()} == {
         "lots": (20, 50),
         "low": (30, 50),
