@@ -142,7 +142,8 @@ KEYS: dict[str, str] = {
         "and metric) or evict (also evicted through the Eviction API)"
     ),
     "default_core_limit_percent": (
-        "burst cap (1-100) of a container without a vcuda-core-limit annotation: the compute "
+        "burst cap (1-100) of a container without a vcuda-core-limit annotation (DRA: of a "
+        "request without a coreLimit in its claim's config): the compute "
         "arbiter lets it use idle capacity up to this; unset: the cap equals its guarantee"
     ),
 }

@@ -480,3 +480,98 @@ def test_claim_containers_follow_the_pod_spec() -> None:
     assert claim_containers(pod, "p-templ-x", "other") == ["c", "init"]
     assert claim_containers(pod, "unknown", "gpu") == []
     assert claim_containers(None, "shared-claim", "gpu") == []
+
+
+# ------------------------------------------------------------------ burst cap from opaque config
+
+from vgpu.core.dra import OpaqueConfig, claim_core_limit  # noqa: E402
+
+
+def _slice_config(
+    core_limit: object = None,
+    *,
+    requests: tuple[str, ...] = (),
+    source: str = "FromClaim",
+    **extra: object,
+) -> OpaqueConfig:
+    params: dict[str, object] = {"apiVersion": "vgpu.vendor.io/v1", "kind": "SliceConfig", **extra}
+    if core_limit is not None:
+        params["coreLimit"] = core_limit
+    return OpaqueConfig(source, requests, "vgpu.vendor.io", params)
+
+
+@pytest.mark.parametrize(
+    ("configs", "default", "cap", "problems"),
+    [
+        ([], None, 30, 0),  # nothing: the guarantee
+        ([], 60, 60, 0),  # the cluster default
+        ([], 10, 30, 0),  # a default below the guarantee never lowers it
+        ([_slice_config(80)], None, 80, 0),
+        ([_slice_config("80%")], None, 80, 0),
+        ([_slice_config(100)], None, 100, 0),
+        ([_slice_config(30)], None, 30, 0),
+        ([_slice_config(20)], None, 30, 1),  # below the guarantee: ignored
+        ([_slice_config(101)], 50, 50, 1),  # out of range: the default applies
+        ([_slice_config("lots")], None, 30, 1),
+        ([_slice_config(True)], None, 30, 1),
+        ([_slice_config(80.5)], None, 30, 1),
+        ([_slice_config(80, corelimit=90)], None, 30, 1),  # a typo is not silently dropped
+        ([_slice_config()], None, 30, 0),  # no coreLimit: nothing said
+        ([OpaqueConfig("FromClaim", (), "vgpu.vendor.io", [1])], None, 30, 1),
+        ([OpaqueConfig("FromClaim", (), "vgpu.vendor.io", {"kind": "Other"})], None, 30, 1),
+        ([OpaqueConfig("FromClaim", (), "other.io", {"coreLimit": 90})], None, 30, 0),
+        ([_slice_config(90, requests=("other",))], None, 30, 0),  # another request's
+        ([_slice_config(90, requests=("gpu",))], None, 90, 0),
+        # class first, then claim: the claim's wins; a bad claim entry leaves the class's
+        ([_slice_config(50, source="FromClass"), _slice_config(70)], None, 70, 0),
+        ([_slice_config(50, source="FromClass"), _slice_config(5)], None, 50, 1),
+    ],
+)
+def test_claim_core_limit_from_opaque_parameters(
+    configs: list[OpaqueConfig], default: int | None, cap: int, problems: int
+) -> None:
+    choice = claim_core_limit(configs, "vendor.io", "gpu", 30, default)
+    assert choice.cap_percent == cap
+    assert len(choice.problems) == problems
+    for problem in choice.problems:
+        assert "config" in problem and "ignored" in problem
+
+
+def test_claim_view_reads_the_allocated_config_in_order() -> None:
+    from vgpu.core.dra import claim_view
+
+    obj = {
+        "metadata": {"uid": "u1", "namespace": "default", "name": "c"},
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": [
+                        {
+                            "request": "gpu",
+                            "driver": "vgpu.vendor.io",
+                            "pool": "n",
+                            "device": "gpu-0",
+                        }
+                    ],
+                    "config": [
+                        {
+                            "source": "FromClass",
+                            "requests": ["gpu"],
+                            "opaque": {"driver": "vgpu.vendor.io", "parameters": {"a": 1}},
+                        },
+                        {
+                            "source": "FromClaim",
+                            "opaque": {"driver": "vgpu.vendor.io", "parameters": {"b": 2}},
+                        },
+                        {"source": "FromClaim"},  # not opaque: skipped
+                        "junk",
+                    ],
+                }
+            }
+        },
+    }
+    view = claim_view(obj)
+    assert [(c.source, c.requests, c.parameters) for c in view.config] == [
+        ("FromClass", ("gpu",), {"a": 1}),
+        ("FromClaim", (), {"b": 2}),
+    ]

@@ -49,8 +49,8 @@ def node(tmp_path: Path) -> Iterator[SimNode]:
         yield n
 
 
-def _gauges(prefix: str) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=5).read().decode()
+def _gauges(prefix: str, port: int = PORT) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return {
         sample.name: float(sample.value)
         for family in text_string_to_metric_families(body)

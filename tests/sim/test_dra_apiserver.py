@@ -311,3 +311,34 @@ def test_allocator_keeps_exclusive_devices_exclusive(
     _claim(server, "class-missing", device_class="nope.example.com")
     with pytest.raises(Unschedulable, match="DeviceClass"):
         allocator.allocate("default", "class-missing")
+
+
+def test_allocator_copies_class_then_claim_config_with_their_source(
+    cluster: tuple[FakeApiServer, Allocator],
+) -> None:
+    server, allocator = cluster
+    server.add_object("resourceslices", _slice("n1", gpus="preset:2xH200"))
+    params = {"apiVersion": f"{DRIVER}/v1", "kind": "SliceConfig"}
+    klass = device_class_body(DRIVER)
+    klass["metadata"]["name"] = "with-config"
+    klass["spec"]["config"] = [
+        {"opaque": {"driver": DRIVER, "parameters": {**params, "coreLimit": 50}}}
+    ]
+    server.add_object("deviceclasses", klass)
+    body = claim_body("a", device_class="with-config", capacity={"cores": "30"})
+    body["spec"]["devices"]["config"] = [
+        {
+            "requests": ["gpu"],
+            "opaque": {"driver": DRIVER, "parameters": {**params, "coreLimit": 80}},
+        }
+    ]
+    server.add_object("resourceclaims", body)
+    config = allocator.allocate("default", "a")["allocation"]["devices"]["config"]
+    assert [
+        (c["source"], c.get("requests"), c["opaque"]["parameters"]["coreLimit"]) for c in config
+    ] == [
+        ("FromClass", ["gpu"], 50),
+        ("FromClaim", ["gpu"], 80),
+    ]
+    _claim(server, "b", capacity={"cores": "10"})  # no config anywhere: none allocated
+    assert "config" not in allocator.allocate("default", "b")["allocation"]["devices"]

@@ -163,6 +163,14 @@ class CapChoice:
     problems: tuple[str, ...] = ()
 
 
+def default_core_cap(guarantee_percent: int, default_percent: int | None) -> int:
+    """The cap where no annotation or claim config sets one: the cluster default
+    (never below the guarantee, never above the card), else the guarantee."""
+    if default_percent is None:
+        return guarantee_percent
+    return max(guarantee_percent, min(100, default_percent))
+
+
 def _parse_percent(text: str) -> int | None:
     text = text.strip()
     if text.endswith("%"):
@@ -203,6 +211,4 @@ def burst_cap(
             )
             continue
         return CapChoice(value, tuple(problems))
-    if default_percent is not None:
-        return CapChoice(max(guarantee_percent, min(100, default_percent)), tuple(problems))
-    return CapChoice(guarantee_percent, tuple(problems))
+    return CapChoice(default_core_cap(guarantee_percent, default_percent), tuple(problems))

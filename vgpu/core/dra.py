@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from vgpu.core.arbiter import CapChoice, _parse_percent, default_core_cap
 from vgpu.core.errors import InvalidRequest, UnknownDevice
 from vgpu.core.model import CORE_UNITS_PER_CARD, Card
 
@@ -527,6 +528,110 @@ class PreparedDevice:
 
 
 @dataclass(frozen=True)
+class OpaqueConfig:
+    """One entry of status.allocation.devices.config: an opaque configuration
+    the scheduler copied from the DeviceClass (FromClass) or the claim
+    (FromClaim), for the requests it names (all when empty)."""
+
+    source: str
+    requests: tuple[str, ...]
+    driver: str
+    parameters: Any = field(default=None, hash=False, compare=False)
+
+
+CONFIG_KIND = "SliceConfig"
+CORE_LIMIT = "coreLimit"
+
+
+def config_api_version(domain: str) -> str:
+    """The apiVersion of vgpu's opaque parameters, e.g. vgpu.vendor.io/v1."""
+    return f"{driver_name(domain)}/v1"
+
+
+def claim_core_limit(
+    configs: Sequence[OpaqueConfig],
+    domain: str,
+    request: str,
+    guarantee_percent: int,
+    default_percent: int | None,
+) -> CapChoice:
+    """The burst cap of one request of a claim, from the allocation's opaque
+    configs of this driver that apply to it (FromClass entries come first, then
+    FromClaim: the last valid `coreLimit` wins). A malformed or out-of-range
+    entry is ignored with a problem naming it and the next source applies;
+    without one the cluster default, else the guarantee. Like the annotation, a
+    cap only raises the request's own ceiling, never below its guarantee."""
+    driver = driver_name(domain)
+    version = config_api_version(domain)
+    chosen: int | None = None
+    problems: list[str] = []
+    for i, entry in enumerate(configs):
+        if entry.driver != driver or (entry.requests and request not in entry.requests):
+            continue
+        where = f"config {i} ({entry.source or 'unknown source'})"
+        params = entry.parameters
+        if not isinstance(params, dict):
+            problems.append(f"{where}: parameters are not an object; ignored")
+            continue
+        if params.get("apiVersion") != version or params.get("kind") != CONFIG_KIND:
+            problems.append(
+                f"{where}: parameters are not apiVersion {version}, kind {CONFIG_KIND}; ignored"
+            )
+            continue
+        unknown = sorted(str(k)[:32] for k in params if k not in ("apiVersion", "kind", CORE_LIMIT))
+        if unknown:
+            problems.append(
+                f"{where}: unknown field(s) {', '.join(unknown)} (known: {CORE_LIMIT}); ignored"
+            )
+            continue
+        if CORE_LIMIT not in params:
+            continue
+        raw = params[CORE_LIMIT]
+        value: int | None = None
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            value = raw
+        elif isinstance(raw, str) and len(raw) <= 16:
+            value = _parse_percent(raw)
+        if value is None:
+            problems.append(
+                f"{where}: {CORE_LIMIT}={str(raw)[:32]!r} is not a whole percent; ignored "
+                f"(write a number from {guarantee_percent} to 100)"
+            )
+            continue
+        if not guarantee_percent <= value <= 100:
+            problems.append(
+                f"{where}: {CORE_LIMIT}={value} is outside {guarantee_percent}-100 (the "
+                "request's guarantee to the whole card); ignored"
+            )
+            continue
+        chosen = value
+    if chosen is not None:
+        return CapChoice(chosen, tuple(problems))
+    return CapChoice(default_core_cap(guarantee_percent, default_percent), tuple(problems))
+
+
+def _configs(devices: Any) -> tuple[OpaqueConfig, ...]:
+    """The allocation's opaque configs; entries that are not opaque objects are skipped
+    (the API server validates their shape; parameters are free-form)."""
+    raw = devices.get("config") if isinstance(devices, dict) else None
+    out = []
+    for entry in raw if isinstance(raw, list) else []:
+        opaque = entry.get("opaque") if isinstance(entry, dict) else None
+        if not isinstance(opaque, dict) or not opaque.get("driver"):
+            continue
+        requests = entry.get("requests") or []
+        out.append(
+            OpaqueConfig(
+                source=str(entry.get("source") or ""),
+                requests=tuple(str(r) for r in requests) if isinstance(requests, list) else (),
+                driver=str(opaque["driver"]),
+                parameters=opaque.get("parameters"),
+            )
+        )
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class ClaimView:
     """What the driver reads of a ResourceClaim: its allocation and its users."""
 
@@ -535,6 +640,7 @@ class ClaimView:
     name: str
     results: tuple[AllocatedDevice, ...]
     pods: tuple[tuple[str, str], ...]  # (name, uid) of the pods it is reserved for
+    config: tuple[OpaqueConfig, ...] = ()  # the allocation's opaque configs, in order
 
 
 def claim_view(obj: Any) -> ClaimView:
@@ -587,6 +693,7 @@ def claim_view(obj: Any) -> ClaimView:
         name=str(meta.get("name", "")),
         results=tuple(results),
         pods=pods,
+        config=_configs(devices),
     )
 
 

@@ -228,25 +228,46 @@ class CapSource:
                 self._warn(owner.namespace, owner.pod, owner.pod_uid, "InvalidCoreLimit", problem)
         return choice.cap_percent
 
+    def placement_cap(self, placement: Placement) -> int:
+        """The cap of a placed container (its guarantee while its owner is unknown)."""
+        if placement.owner is None:
+            return placement.core_percent
+        return self.cap(placement.owner, placement.core_percent)
+
 
 def placed_containers(
     placements: Callable[[], Sequence[Placement]],
     budget_file: Callable[[str], Path],
-    caps: CapSource,
+    cap: Callable[[Placement], int],
 ) -> Callable[[], list[Arbitrated]]:
-    """The arbiter's container list from the daemon's placements: fractional
-    compute slices only (whole cards and memory-only slices are not arbitrated)."""
+    """The arbiter's container list from a daemon's placements: fractional
+    compute slices only (whole cards and memory-only slices are not arbitrated).
+    `cap` gives each one's burst cap: from the pod's annotations in device-plugin
+    mode (CapSource.placement_cap), from the claim's opaque config in DRA mode."""
 
     def containers() -> list[Arbitrated]:
         out = []
         for p in placements():
             if p.whole or not 0 < p.core_percent < CARD_PERCENT:
                 continue
-            cap = caps.cap(p.owner, p.core_percent) if p.owner else p.core_percent
-            out.append(Arbitrated(p.key, budget_file(p.key), p.cards, p.core_percent, cap))
+            out.append(Arbitrated(p.key, budget_file(p.key), p.cards, p.core_percent, cap(p)))
         return out
 
     return containers
+
+
+def arbiter_utilization(backend: object) -> ProcessUtilization | None:
+    """The backend's per-process utilisation reader, or None (logged) where it has
+    none (e.g. a mock file without it): no arbiter then, and hooks keep their
+    guarantees as fixed caps. Both daemons (device plugin, DRA) start theirs so."""
+    utilization: ProcessUtilization | None = getattr(backend, "process_utilization", None)
+    if utilization is None:
+        log.info(
+            "compute arbiter off: the %s backend has no per-process utilisation; "
+            "each container's compute limit stays its guarantee",
+            getattr(backend, "name", "?"),
+        )
+    return utilization
 
 
 def build_node_arbiter(
@@ -259,13 +280,8 @@ def build_node_arbiter(
 ) -> Arbiter | None:
     """The node daemon's arbiter, or None where the backend cannot read
     per-process utilisation (the mock backend): hooks then keep their guarantees."""
-    utilization = getattr(backend, "process_utilization", None)
+    utilization = arbiter_utilization(backend)
     if utilization is None:
-        log.info(
-            "compute arbiter off: the %s backend has no per-process utilisation; "
-            "each container's compute limit stays its guarantee",
-            getattr(backend, "name", "?"),
-        )
         return None
     events: KubeEvents | NoEvents = NoEvents()
     if isinstance(pods, KubePodCache):
@@ -274,4 +290,4 @@ def build_node_arbiter(
     caps = CapSource(
         pods.annotations, settings.resource_domain, settings.default_core_limit_percent, events.warn
     )
-    return Arbiter(utilization, placed_containers(placements, budget_file, caps))
+    return Arbiter(utilization, placed_containers(placements, budget_file, caps.placement_cap))

@@ -45,10 +45,13 @@ from vgpu.adapters.dra.plugin import (
 from vgpu.adapters.dra.state import ClaimStore
 from vgpu.adapters.fs import ContainerStore
 from vgpu.adapters.gpus import GpuBackend
+from vgpu.adapters.kube import core_v1_api
+from vgpu.adapters.kube_events import KubeEvents
 from vgpu.adapters.unixgrpc import UnixServer
 from vgpu.config import Settings
 from vgpu.core.dra import device_name, driver_name
 from vgpu.core.errors import ConfigError, StateUnwritable
+from vgpu.daemon.arbiter import Arbiter, arbiter_utilization, placed_containers
 from vgpu.daemon.draservice import DraOptions, DraService
 from vgpu.daemon.wiring import (
     budget_watch,
@@ -69,8 +72,9 @@ STOP_TIMEOUT_S = 4.0
 class DraCollector(Collector):
     """Per-card and per-claim gauges, computed at scrape time."""
 
-    def __init__(self, service: DraService) -> None:
+    def __init__(self, service: DraService, daemon: DraDaemon | None = None) -> None:
         self.service = service
+        self.daemon = daemon  # its compute arbiter's per-request gauges
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         labels = ["uuid", "index", "model"]
@@ -104,6 +108,11 @@ class DraCollector(Collector):
             if isinstance(count, int):
                 reads.add_metric([source], count)
         yield from (health, core, mem, claims, reads)
+        if self.daemon is not None:
+            from vgpu.daemon.metrics import arbiter_metrics
+
+            placements = [p for r in records for p in r.placements]
+            yield from arbiter_metrics(self.daemon, placements, ["key"], False)
 
 
 class DraDaemon:
@@ -134,6 +143,7 @@ class DraDaemon:
                 ignored_xids=s.ignored_xids,
                 context_overhead_mib=s.context_overhead_mib,
                 hook_injection=s.hook_injection,
+                default_core_limit_percent=s.default_core_limit_percent,
             ),
             ContainerStore(dra_dir, s.memory_unit_mib),
             ClaimStore(dra_dir, s.memory_unit_mib),
@@ -144,8 +154,13 @@ class DraDaemon:
             events=self._event,
         )
         self.service.devices = HostDevices(s.host_dev_dir)
+        self.events: KubeEvents | None = None
         if claims is None:  # a real API server (tests inject their own ports)
             self.service.users = ClaimStatusWriter(self.driver, s.kubeconfig)
+            self.events = KubeEvents(self._core_api, node)
+            self.service.warn = self.events
+        self._core: Any = None
+        self.arbiter: Arbiter | None = None
         self.dra_socket = s.dra_plugin_dir() / "dra.sock"
         self.registration_socket = s.kubelet_registry_dir / f"{self.driver}-reg.sock"
         self.registration = RegistrationServicer(self.driver, self.dra_socket)
@@ -158,6 +173,12 @@ class DraDaemon:
     def _event(self, kind: str, fields: dict[str, Any]) -> None:
         if self.metrics is not None:
             self.metrics.event(kind, fields)
+
+    def _core_api(self) -> Any:
+        """The CoreV1Api Events go through, built on the first one (it is not small)."""
+        if self._core is None:
+            self._core = core_v1_api(self.settings.kubeconfig)
+        return self._core
 
     def _on_call(self, method: str, seconds: float, outcome: str) -> None:
         if self.metrics is not None:
@@ -218,10 +239,12 @@ class DraDaemon:
             )
         self.claims.start(self.stop)
         self.slices.start(self.stop)
+        if self.events is not None:
+            self.events.start(self.stop)
         if s.metrics_address:
             from vgpu.daemon.metrics import Metrics
 
-            self.metrics = Metrics(self, DraCollector(self.service))
+            self.metrics = Metrics(self, DraCollector(self.service, self))
             self.metrics.serve(s.metrics_address)
         self._serve()
         self._spawn("backend-watch", self._watch_backend)
@@ -229,6 +252,25 @@ class DraDaemon:
         self._spawn("usage", self._usage_loop)
         self._spawn("device-nodes", device_node_watch, self.service.check_device_nodes, self.stop)
         self._spawn("budget-watch", budget_watch, self.service.store, self.stop, self._event)
+        self._start_arbiter()
+
+    def _start_arbiter(self) -> None:
+        """The compute arbiter, as in device-plugin mode (vgpu/daemon/arbiter.py),
+        over the prepared claims' fractional requests, each capped by its claim's
+        opaque config (fixed at prepare)."""
+        utilization = arbiter_utilization(self.backend)
+        if utilization is None:
+            return
+        store = self.service.store
+        self.arbiter = Arbiter(
+            utilization,
+            placed_containers(
+                self.service.placements,
+                lambda key: store.paths(key).budget_file,
+                self.service.core_cap,
+            ),
+        )
+        self._spawn("arbiter", self.arbiter.run, self.stop)
 
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)

@@ -25,7 +25,9 @@ from vgpu.adapters.dra.plugin import Prepared
 from vgpu.adapters.dra.state import ClaimRecord, ClaimStore, sweep_temp_files
 from vgpu.adapters.fs import ContainerStore
 from vgpu.adapters.gpus import CardReading
+from vgpu.adapters.kube_events import EventSink, NoEvents
 from vgpu.adapters.nodefile import node_document, write_node_file
+from vgpu.core.arbiter import CARD_PERCENT, default_core_cap
 from vgpu.core.contract import (
     ContainerEdits,
     container_edits,
@@ -42,6 +44,7 @@ from vgpu.core.dra import (
     allocation_signature,
     cdi_device_names,
     claim_containers,
+    claim_core_limit,
     claim_key,
     claim_view,
     device_name,
@@ -59,6 +62,10 @@ from vgpu.daemon.service import install_or_refuse
 log = logging.getLogger("vgpu")
 
 
+def _cap_text(cap: int | None) -> str:
+    return f" (burst cap {cap}%)" if cap is not None else ""
+
+
 @dataclass(frozen=True)
 class DraOptions:
     domain: str
@@ -68,6 +75,7 @@ class DraOptions:
     hook_path: Path | None = None
     context_overhead_mib: int = 0  # per-card context estimate passed to the hook
     hook_injection: str = "ld-so-preload"  # also mount /etc/ld.so.preload (or "env" only)
+    default_core_limit_percent: int | None = None  # burst cap without a claim coreLimit
 
     @property
     def driver(self) -> str:
@@ -115,6 +123,9 @@ class DraService:
         # Pods (which containers use a claim) and claim status; None: neither.
         self.users: ClaimUsers | None = None
         self._status_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="claim-status")
+        # Warning Events about a claim's pod (a bad coreLimit); the log only by default.
+        self.warn: EventSink = NoEvents()
+        self._caps: dict[str, int] = {}  # placement key -> burst cap, of prepared claims
 
     # ------------------------------------------------------------ cards
 
@@ -321,14 +332,16 @@ class DraService:
                         )
             if any(not grant.whole for grant in given):
                 self.ensure_hook()
-            record = self._record(ref, view, mine, given, cards, signature, pod)
+            caps, problems = self._core_caps(view, given)
+            record = self._record(ref, view, mine, given, cards, signature, pod, caps)
             if known is not None:  # allocated anew under the same UID: drop the old files
                 self._remove_files(known, keep=record)
             self.records.write(record)  # first: a crash from here on leaves a record
             self._write_files(record)
             with self._lock:
-                self.prepared[ref.uid] = record
+                self._remember(record, known)
         self._write_status(ref, record)
+        self._warn_core_limits(ref, view, record, problems)
         for grant in given:
             log.info(
                 "prepared claim %s request %s for pod %s on %s: %s",
@@ -338,7 +351,8 @@ class DraService:
                 ",".join(device_name(c) for c in grant.cards),
                 "whole card"
                 if grant.whole
-                else f"core {grant.core_percent}%, memory {grant.memory_mib} MiB",
+                else f"core {grant.core_percent}%{_cap_text(record.core_cap(grant.request))}, "
+                f"memory {grant.memory_mib} MiB",
             )
         self.events("prepared", {"claim": ref.uid})
         return record.devices
@@ -352,6 +366,7 @@ class DraService:
         cards: Mapping[str, Card],
         signature: str,
         pod: dict[str, Any] | None = None,
+        core_caps: tuple[tuple[str, int], ...] = (),
     ) -> ClaimRecord:
         now = self.clock()
         placements: dict[str, Placement] = {}
@@ -409,7 +424,80 @@ class DraService:
             cdi_file=self.cdi.file_name(ref.uid),
             cdi_spec=spec_document(self.cdi.kind, edits),
             created_s=now,
+            core_caps=core_caps,
         )
+
+    # ------------------------------------------------------- burst caps
+
+    def _core_caps(
+        self, view: ClaimView, given: Sequence[Grant]
+    ) -> tuple[tuple[tuple[str, int], ...], list[tuple[str, str]]]:
+        """Each fractional request's burst cap from the allocation's opaque config
+        (fixed from here on: a claim's config cannot change once allocated), and
+        the (request, problem) of every coreLimit that was ignored."""
+        caps: list[tuple[str, int]] = []
+        problems: list[tuple[str, str]] = []
+        for grant in given:
+            if grant.whole or not 0 < grant.core_percent < CARD_PERCENT:
+                continue
+            choice = claim_core_limit(
+                view.config,
+                self.options.domain,
+                grant.request,
+                grant.core_percent,
+                self.options.default_core_limit_percent,
+            )
+            caps.append((grant.request, choice.cap_percent))
+            problems += [(grant.request, problem) for problem in choice.problems]
+        return tuple(caps), problems
+
+    def _warn_core_limits(
+        self,
+        ref: ClaimRef,
+        view: ClaimView,
+        record: ClaimRecord,
+        problems: Sequence[tuple[str, str]],
+    ) -> None:
+        """A Warning Event InvalidCoreLimit on the claim's pod for each ignored
+        coreLimit, naming the claim, the request and the value (posted once per
+        preparation; a claim's config never changes afterwards)."""
+        for request, problem in problems:
+            message = (
+                f"ResourceClaim {ref.shown}, request {request!r}: {problem}; "
+                f"its burst cap is {record.core_cap(request)}%"
+            )
+            if view.pods:
+                pod, pod_uid = view.pods[0]
+                self.warn.warn(ref.namespace, pod, pod_uid, "InvalidCoreLimit", message)
+            else:
+                log.warning("%s", message)
+
+    def _remember(self, record: ClaimRecord, replaced: ClaimRecord | None = None) -> None:
+        """Record a prepared claim and its caps (under self._lock)."""
+        if replaced is not None:
+            self._forget(replaced)
+        self.prepared[record.claim.uid] = record
+        for request, cap in record.core_caps:
+            self._caps[claim_key(record.claim.uid, request)] = cap
+
+    def _forget(self, record: ClaimRecord) -> None:
+        for p in record.placements:
+            self._caps.pop(p.key, None)
+
+    def core_cap(self, placement: Placement) -> int:
+        """The burst cap of a prepared request, for the compute arbiter: the one
+        its claim's config gave, else (a record from before caps were kept) the
+        cluster default, else its guarantee."""
+        with self._lock:
+            cap = self._caps.get(placement.key)
+        if cap is None:
+            return default_core_cap(placement.core_percent, self.options.default_core_limit_percent)
+        return max(cap, placement.core_percent)
+
+    def placements(self) -> list[Placement]:
+        """Every prepared request's placement (the compute arbiter's containers)."""
+        with self._lock:
+            return [p for r in self.prepared.values() for p in r.placements]
 
     def _write_status(self, ref: ClaimRef, record: ClaimRecord) -> None:
         """The claim's status.devices (card UUID and granted limits in `data`),
@@ -479,6 +567,7 @@ class DraService:
                     continue
                 with self._lock:
                     del self.prepared[ref.uid]
+                    self._forget(record)
                     self._claim_locks.pop(ref.uid, None)
             out[ref.uid] = ""
             if self.users is not None:  # our status.devices entries go with the preparation
@@ -508,7 +597,7 @@ class DraService:
         records, bad = self.records.load_all()
         with self._lock:
             for record in records:
-                self.prepared[record.claim.uid] = record
+                self._remember(record)
                 try:
                     self._ensure_files(record)
                 except OSError as exc:

@@ -130,7 +130,7 @@ ARBITER_GAUGES = {
 
 
 def arbiter_metrics(
-    daemon: Daemon, placements: list[Any], who: list[str], container_names: bool
+    daemon: Daemon | DraDaemon, placements: list[Any], who: list[str], container_names: bool
 ) -> Iterator[GaugeMetricFamily]:
     arbiter = getattr(daemon, "arbiter", None)
     views = arbiter.views() if arbiter is not None else {}

@@ -236,8 +236,12 @@ class Allocator:
             except Unschedulable as exc:
                 reasons.append(f"{candidate}: {exc}")
                 continue
+            devices_out: JSON = {"results": results}
+            config = self._config(claim, requests)
+            if config:
+                devices_out["config"] = config
             return {
-                "devices": {"results": results},
+                "devices": devices_out,
                 "nodeSelector": {
                     "nodeSelectorTerms": [
                         {
@@ -249,6 +253,31 @@ class Allocator:
                 },
             }
         raise Unschedulable(f"no node fits claim {ident}: {'; '.join(reasons) or 'no devices'}")
+
+    def _config(self, claim: JSON, requests: list[JSON]) -> list[JSON]:
+        """status.allocation.devices.config as the scheduler copies it: each used
+        DeviceClass's config (source FromClass, for the requests of that class),
+        then the claim's own (source FromClaim, its `requests` as written)."""
+        out: list[JSON] = []
+        by_class: dict[str, list[str]] = {}
+        for request in requests:
+            name = (request.get("exactly") or {}).get("deviceClassName")
+            if name:
+                by_class.setdefault(str(name), []).append(str(request["name"]))
+        for name, names in by_class.items():
+            device_class = self.api.get_object("deviceclasses", name) or {}
+            for entry in (device_class.get("spec") or {}).get("config") or []:
+                if "opaque" in entry:
+                    out.append(
+                        {"source": "FromClass", "requests": names, "opaque": entry["opaque"]}
+                    )
+        for entry in ((claim.get("spec") or {}).get("devices") or {}).get("config") or []:
+            if "opaque" in entry:
+                item: JSON = {"source": "FromClaim", "opaque": copy.deepcopy(entry["opaque"])}
+                if entry.get("requests"):
+                    item["requests"] = list(entry["requests"])
+                out.append(item)
+        return out
 
     def _fit_on(
         self,

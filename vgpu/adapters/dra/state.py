@@ -40,6 +40,13 @@ class ClaimRecord:
     cdi_file: str
     cdi_spec: dict[str, Any] = field(hash=False)
     created_s: float = 0.0
+    # The burst cap of each fractional request, from the claim's opaque config
+    # (fixed once allocated). A request not here (a record written before caps
+    # existed) gets the cluster default, else its guarantee.
+    core_caps: tuple[tuple[str, int], ...] = ()
+
+    def core_cap(self, request: str) -> int | None:
+        return dict(self.core_caps).get(request)
 
     def to_json(self, memory_unit_mib: int) -> dict[str, Any]:
         return {
@@ -65,6 +72,7 @@ class ClaimRecord:
             "cdi_file": self.cdi_file,
             "cdi_spec": self.cdi_spec,
             "created_s": self.created_s,
+            "core_caps": dict(self.core_caps),
         }
 
     @classmethod
@@ -94,7 +102,20 @@ class ClaimRecord:
             cdi_file=cdi_file,
             cdi_spec=dict(data["cdi_spec"]),
             created_s=float(data["created_s"]),
+            core_caps=_core_caps(data.get("core_caps")),
         )
+
+
+def _core_caps(raw: Any) -> tuple[tuple[str, int], ...]:
+    """A record's caps; absent (an older record) or a bad entry: none, so the
+    request falls back to the cluster default rather than the record being lost."""
+    if not isinstance(raw, dict):
+        return ()
+    return tuple(
+        (str(request), cap)
+        for request, cap in raw.items()
+        if isinstance(cap, int) and not isinstance(cap, bool) and 0 < cap <= 100
+    )
 
 
 class ClaimStore:
