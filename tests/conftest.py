@@ -6,6 +6,7 @@ under /tmp with a short prefix rather than under pytest's deep tmp_path.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -67,9 +68,12 @@ def hook_binaries() -> None:
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is required to build and test hooks/ (apt-get install it)")
     hooks = Path(__file__).resolve().parents[1] / "hooks"
-    run = subprocess.run(
-        ["make", "-C", str(hooks), "test-bins"], capture_output=True, text=True, timeout=300
-    )
+    # Each pytest-xdist worker asks once; a lock keeps two builds out of one tree.
+    with open(hooks / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        run = subprocess.run(
+            ["make", "-C", str(hooks), "test-bins"], capture_output=True, text=True, timeout=300
+        )
     if run.returncode != 0:
         pytest.fail(f"make -C hooks test-bins failed:\n{run.stdout}\n{run.stderr}")
 

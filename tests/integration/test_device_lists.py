@@ -166,14 +166,14 @@ def test_each_strategy_gives_the_container_the_same_contract(
         validate_spec(json.loads((cdi_dir / specs[0]).read_text()))
 
 
-@pytest.mark.timeout(600)  # ~60 s alone; far more on a loaded shared machine
+@pytest.mark.timeout(300)  # ~45 s alone (30 s of it the grace period); more when loaded
 def test_cdi_specs_of_gone_containers_are_swept(make_node: NodeFactory, short_tmp: Path) -> None:
-    """A thousand admissions (each pod deleted after it) leave no spec behind."""
+    """Hundreds of admissions (each pod deleted after it) leave no spec behind."""
     dev = fake_dev(short_tmp / "dev")
     cdi_dir = short_tmp / "cdi"
     node = node_with(make_node, "preset:2xH200", dev, "cdi", "--reconcile-interval-s", "1")
     live = []
-    for i in range(1000):
+    for i in range(300):  # 1,000 in the issue-17 measurement; 300 keeps CI short
         pod = node.pod(f"p{i}", {CORE: 10, MEM: 4})
         result = node.admit(pod, [CORE, MEM])
         assert result.ok, (i, result.error)

@@ -242,7 +242,8 @@ def _greedy(node: _Node, requests: Sequence[Request], binpack: bool) -> tuple[fl
             return None
         step = core / CORE_UNITS_PER_CARD + mem / max(1, found[3])
         return (found[2] + step) / 2, step
-    rooms = [list(r) for r in node.rooms()]  # core free, memory free, fullness, index, units
+    # core free, memory free, fullness, index, units
+    rooms: list[list[Any]] = [list(r) for r in node.rooms()]
     touched: dict[int, float] = {}
     added = 0.0
     for request in requests:
