@@ -365,14 +365,18 @@ static void sweep_dead(struct vgpu_shared *s)
 
 /* Takes a free slot's liveness lock (no budget lock needed: the kernel
  * arbitrates between processes).  The slot index, or SLOTLESS. */
-static int claim_slot(void)
+static int claim_slot(const struct vgpu_shared *s)
 {
     static int logged;
     if (shm_fd < 0)
         return 0;
-    for (int i = 0; i < VGPU_MAX_SLOTS; i++)
-        if (ofd_lock(shm_fd, VGPU_SLOT_LOCK_BASE + i, F_WRLCK, 0) == 0)
-            return i;
+    /* Free-looking slots first (one lock attempt each, not one per live
+     * neighbour: hundreds start at once), then all (a dead owner's). */
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < VGPU_MAX_SLOTS; i++)
+            if ((pass || __atomic_load_n(&s->slots[i].pid, __ATOMIC_RELAXED) == 0) &&
+                ofd_lock(shm_fd, VGPU_SLOT_LOCK_BASE + i, F_WRLCK, 0) == 0)
+                return i;
     vgpu_log(&logged, "all %d process slots are taken; this process's share is not returned "
              "if it dies", VGPU_MAX_SLOTS);
     return SLOTLESS;
@@ -393,7 +397,7 @@ static struct vgpu_shared *lock_with_slot(void)
         lock_budget(s);
         return s;
     }
-    int slot = claim_slot();
+    int slot = claim_slot(s);
     uint32_t id = slot >= 0 ? (uint32_t)slot + 1 : VGPU_LOCK_NO_SLOT, expected = 0;
     slotless_hold(id, F_WRLCK);
     if (!__atomic_compare_exchange_n(&s->lock, &expected, id, 0, __ATOMIC_ACQUIRE,

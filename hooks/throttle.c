@@ -334,7 +334,15 @@ static void *controller(void *arg)
         int periods;
     } w = {0, 0, 0, 0, 0, 0};
     for (unsigned long tick = 1;; tick++) {
-        sleep_ns(REFILL_NS);
+        if (!__atomic_load_n(&engaged, __ATOMIC_ACQUIRE) && tick % CONTROL_EVERY) {
+            /* Nothing to refill: sleep to the next control period (hundreds
+             * of processes must not each wake every 5 ms for nothing). */
+            unsigned long skip = CONTROL_EVERY - tick % CONTROL_EVERY;
+            sleep_ns((long long)(skip + 1) * REFILL_NS);
+            tick += skip;
+        } else {
+            sleep_ns(REFILL_NS);
+        }
         if (tick % CONTROL_EVERY == 0) {
             limit = current_limit();
             long long t = now_ns(), dt = t - since;
