@@ -51,6 +51,7 @@ static long long tokens;          /* ns of GPU time; negative = debt */
 static long long kernel_cost_ns = 100000; /* estimate per kernel launch */
 static unsigned long long kernel_launches;
 static long long graph_ns;        /* GPU time charged to graph launches this period */
+static unsigned long long bucket_waits; /* launches that found the bucket empty */
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 
 typedef CUresult (*event_create_fn)(CUevent *, unsigned int);
@@ -322,7 +323,7 @@ static void *controller(void *arg)
     static int logged;
     (void)arg;
     double limit = current_limit(), gain = 1;
-    unsigned long long seen = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
+    unsigned long long seen = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED), waits_seen = 0;
     long long since = now_ns();
     int unsupported = 0;
     /* A window of WINDOW control periods: utilisation averaged over it
@@ -412,7 +413,14 @@ static void *controller(void *arg)
                                       __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED) +
                                   w.graphs_ns;
                 double allowed = limit / 100 * gain * (double)w.dt;
-                gain = clamp(gain * clamp(limit / (util > 0.5 ? util : 0.5), 0.7, 1.4), 0.02, 50);
+                double step = clamp(limit / (util > 0.5 ? util : 0.5), 0.7, 1.4);
+                unsigned long long waits = __atomic_load_n(&bucket_waits, __ATOMIC_RELAXED);
+                /* Raise the gain only when the bucket held launches back: below
+                 * the limit for another reason (neighbours on the card, the
+                 * program itself) a raise would wind up and overshoot later. */
+                if (step < 1 || waits != waits_seen)
+                    gain = clamp(gain * step, 0.02, 50);
+                waits_seen = waits;
                 if (util < limit && (double)spent * 4 < allowed &&
                     __atomic_load_n(&tokens, __ATOMIC_RELAXED) >= 0) {
                     __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
@@ -483,8 +491,10 @@ static inline void wait_tokens(long long cost)
         return;
     long long waited = 0;
     while (__atomic_load_n(&engaged, __ATOMIC_ACQUIRE)) {
-        if (waited == REFILL_NS / 2)
+        if (waited == REFILL_NS / 2) {
             vgpu_budget_note_wait();
+            __atomic_fetch_add(&bucket_waits, 1, __ATOMIC_RELAXED);
+        }
         if (__atomic_load_n(&tokens, __ATOMIC_ACQUIRE) > 0) {
             __atomic_fetch_sub(&tokens,
                                cost ? cost : __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED),
