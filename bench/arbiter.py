@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import Json, Target, machine
+from bench.common import Json, Target, machine, ram_dir
 from vgpu.adapters import budget
 from vgpu.core.arbiter import Tenant as CoreTenant
 from vgpu.core.arbiter import share_out
@@ -413,7 +413,7 @@ def run(quick: bool = False) -> Json:
         }
     seg_s = 2.0 if quick else (6.0 if REAL else 4.0)
     kernel_us = 200
-    with tempfile.TemporaryDirectory(prefix="vgpu-arbiter-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="vgpu-arbiter-", dir=ram_dir()) as tmp:
         work = Path(tmp)
         os.environ["FAKE_GPU_STATE"] = str(work / "gpu")
         backend = _nvml_backend()

@@ -69,3 +69,16 @@ def machine() -> Json:
         "python": platform.python_version(),
         "kernel": platform.release(),
     }
+
+
+def ram_dir() -> str | None:
+    """A directory in memory (tmpfs) for the stand-in card's state and budget files,
+    as on a node (/run is tmpfs), or None (the default temporary directory).
+
+    A shared mapping of a disk-backed file stalls every process that writes it
+    while the kernel writes its dirty pages back: on a busy disk, hundreds of
+    storm processes sat for 20 s in folio_wait_bit_common, with or without the
+    hook. That is the bench's disk, not what is measured.
+    """
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
