@@ -75,10 +75,11 @@ def ram_dir() -> str | None:
     """A directory in memory (tmpfs) for the stand-in card's state and budget files,
     as on a node (/run is tmpfs), or None (the default temporary directory).
 
-    A shared mapping of a disk-backed file stalls every process that writes it
-    while the kernel writes its dirty pages back: on a busy disk, hundreds of
-    storm processes sat for 20 s in folio_wait_bit_common, with or without the
-    hook. That is the bench's disk, not what is measured.
+    Hundreds of storm processes were seen sitting for 20-30 s in the kernel
+    (D state: folio_wait_bit_common, __folio_lock, __mmap_region) on the shared
+    development VM, with or without the hook; a disk-backed file adds page
+    writeback to that. tmpfs removes the disk from the measurement; it did not
+    remove the stalls (BENCHMARKS.md, issue 20 follow-up).
     """
     shm = "/dev/shm"
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None

@@ -324,7 +324,7 @@ static void *controller(void *arg)
     (void)arg;
     double limit = current_limit(), gain = 1;
     unsigned long long seen = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED), waits_seen = 0;
-    long long since = now_ns();
+    long long since = now_ns(), refilled_at = since;
     int unsupported = 0;
     /* A window of WINDOW control periods: utilisation averaged over it
      * steers the gain and the kernel cost estimate. */
@@ -435,9 +435,16 @@ static void *controller(void *arg)
             w.launches = 0;
             w.periods = 0;
         }
+        long long t_refill = now_ns(), elapsed = t_refill - refilled_at;
+        refilled_at = t_refill;
         if (!__atomic_load_n(&engaged, __ATOMIC_ACQUIRE))
             continue;
-        long long add = (long long)(limit / 100 * gain * REFILL_NS),
+        /* By the time that really passed: on a loaded CPU this thread wakes
+         * late, and a fixed amount per tick would starve the bucket (the gain
+         * then makes up for it and overshoots once the CPU is back). */
+        if (elapsed < REFILL_NS / 2 || elapsed > BURST_NS)
+            elapsed = elapsed < REFILL_NS / 2 ? REFILL_NS / 2 : BURST_NS;
+        long long add = (long long)(limit / 100 * gain * (double)elapsed),
                   cap = (long long)(limit / 100 * gain * BURST_NS);
         long long cur = __atomic_load_n(&tokens, __ATOMIC_RELAXED);
         if (cur + add > cap)
