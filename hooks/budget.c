@@ -651,7 +651,7 @@ int vgpu_budget_poll_take(void)
     struct vgpu_shared *s = budget();
     (void)s;
     if (shm_private || shm_fd < 0)
-        return 0;
+        return -1; /* no shared file: each process polls for itself */
     poller = ofd_lock(shm_fd, VGPU_POLLER_LOCK, F_WRLCK, 0) == 0;
     if (poller)
         VGPU_TRACE("budget: this process polls NVML for the container");

@@ -255,8 +255,9 @@ static struct {
 
 static int sampled_util(struct util *u)
 {
-    if (vgpu_budget_poll_take())
-        return container_util(u, 1);
+    int role = vgpu_budget_poll_take();
+    if (role != 0) /* the poller publishes; a process without a shared file polls alone */
+        return container_util(u, role > 0);
     struct vgpu_poll p;
     long long t = now_ns();
     int have = vgpu_budget_poll_read(&p) == 0;

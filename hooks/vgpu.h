@@ -117,7 +117,8 @@ struct vgpu_poll {
 };
 /* 0 and the publication, or -1 if there is none (or no shared file). */
 int vgpu_budget_poll_read(struct vgpu_poll *out);
-/* 1 if this process is (now) the container's poller; it stays so until it dies. */
+/* 1 if this process is (now) the container's poller (it stays so until it
+ * dies), 0 if another process is, -1 without a shared file (poll alone). */
 int vgpu_budget_poll_take(void);
 /* The poller's publication: begin, each slot's share, end. */
 void vgpu_budget_poll_begin(void);
