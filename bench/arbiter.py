@@ -303,7 +303,9 @@ def _analyse(
             worst = run = 0.0
             last_t = start
             for t, v in inside:
-                if t < STARTUP_S:  # the processes start, the first samples come in
+                # its process starts and its first samples come in (also when it
+                # arrives later): not a neighbour's burst
+                if t < spec.start_s + STARTUP_S:
                     last_t = t
                     continue
                 run = run + (t - last_t) if v < floor - ACCURACY_POINTS else 0.0
