@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import Json, Target, machine
+from bench.common import Json, Target, machine, ram_dir
 from vgpu.adapters import budget
 from vgpu.core.arbiter import Tenant as CoreTenant
 from vgpu.core.arbiter import share_out
@@ -303,7 +303,9 @@ def _analyse(
             worst = run = 0.0
             last_t = start
             for t, v in inside:
-                if t < STARTUP_S:  # the processes start, the first samples come in
+                # its process starts and its first samples come in (also when it
+                # arrives later): not a neighbour's burst
+                if t < spec.start_s + STARTUP_S:
                     last_t = t
                     continue
                 run = run + (t - last_t) if v < floor - ACCURACY_POINTS else 0.0
@@ -413,7 +415,7 @@ def run(quick: bool = False) -> Json:
         }
     seg_s = 2.0 if quick else (6.0 if REAL else 4.0)
     kernel_us = 200
-    with tempfile.TemporaryDirectory(prefix="vgpu-arbiter-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="vgpu-arbiter-", dir=ram_dir()) as tmp:
         work = Path(tmp)
         os.environ["FAKE_GPU_STATE"] = str(work / "gpu")
         backend = _nvml_backend()

@@ -69,3 +69,17 @@ def machine() -> Json:
         "python": platform.python_version(),
         "kernel": platform.release(),
     }
+
+
+def ram_dir() -> str | None:
+    """A directory in memory (tmpfs) for the stand-in card's state and budget files,
+    as on a node (/run is tmpfs), or None (the default temporary directory).
+
+    Hundreds of storm processes were seen sitting for 20-30 s in the kernel
+    (D state: folio_wait_bit_common, __folio_lock, __mmap_region) on the shared
+    development VM, with or without the hook; a disk-backed file adds page
+    writeback to that. tmpfs removes the disk from the measurement; it did not
+    remove the stalls (BENCHMARKS.md, issue 20 follow-up).
+    """
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None

@@ -28,10 +28,12 @@ Measured, each against the same storm without the hook (no LD_PRELOAD):
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
 import selectors
+import shutil
 import signal
 import struct
 import subprocess
@@ -42,7 +44,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.common import Json, Target, machine, percentile
+from bench.common import Json, Target, machine, percentile, ram_dir
 from vgpu.adapters import budget
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +59,9 @@ OFFSET = 100000
 
 # One stand-in card state for every storm of this process: the daemon's arbiter
 # here reads it through the stand-in NVML, which maps one state file per process.
-_STATE = Path(tempfile.mkdtemp(prefix="vgpu-storm-card-")) / "gpu"
+_STATE_DIR = tempfile.mkdtemp(prefix="vgpu-storm-card-", dir=ram_dir())
+atexit.register(shutil.rmtree, _STATE_DIR, True)
+_STATE = Path(_STATE_DIR) / "gpu"
 
 
 def _start_arbiter(work: Path, containers: int, stop: threading.Event) -> threading.Thread:
@@ -120,7 +124,7 @@ def storm(
     arbiter: bool = True,
 ) -> Json:
     rng = random.Random(seed)
-    with tempfile.TemporaryDirectory(prefix="vgpu-storm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="vgpu-storm-", dir=ram_dir()) as tmp:
         work = Path(tmp)
         for c in range(containers):
             (work / f"c{c}").mkdir()
@@ -241,7 +245,9 @@ def run(processes: int = 300, quick: bool = False) -> Json:
     settle_s = 8.0  # > wall + 2.5 s: every survivor is still alive when checked
     rows = []
     for containers in (1, 10):
-        base = storm(processes, containers, hooked=False, kill=False, settle_s=0.2)
+        # the same workload as the hooked runs (each keeps launching for settle_s):
+        # only the hook differs
+        base = storm(processes, containers, hooked=False, kill=False, settle_s=settle_s)
         hook = storm(processes, containers, hooked=True, kill=False, settle_s=settle_s)
         killing = storm(processes, containers, hooked=True, kill=True, settle_s=settle_s)
         rows.append({"without_hook": base, "with_hook": hook, "with_hook_and_kills": killing})

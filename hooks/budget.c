@@ -45,6 +45,7 @@ static char shm_path[4096];
 static int my_slot = NO_SLOT;
 static unsigned my_host_pid;
 static pthread_mutex_t attach_lock = PTHREAD_MUTEX_INITIALIZER;
+static int poller; /* this process holds VGPU_POLLER_LOCK (controller thread only) */
 
 static int ofd_lock(int fd, off_t offset, short type, int wait)
 {
@@ -364,14 +365,18 @@ static void sweep_dead(struct vgpu_shared *s)
 
 /* Takes a free slot's liveness lock (no budget lock needed: the kernel
  * arbitrates between processes).  The slot index, or SLOTLESS. */
-static int claim_slot(void)
+static int claim_slot(const struct vgpu_shared *s)
 {
     static int logged;
     if (shm_fd < 0)
         return 0;
-    for (int i = 0; i < VGPU_MAX_SLOTS; i++)
-        if (ofd_lock(shm_fd, VGPU_SLOT_LOCK_BASE + i, F_WRLCK, 0) == 0)
-            return i;
+    /* Free-looking slots first (one lock attempt each, not one per live
+     * neighbour: hundreds start at once), then all (a dead owner's). */
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < VGPU_MAX_SLOTS; i++)
+            if ((pass || __atomic_load_n(&s->slots[i].pid, __ATOMIC_RELAXED) == 0) &&
+                ofd_lock(shm_fd, VGPU_SLOT_LOCK_BASE + i, F_WRLCK, 0) == 0)
+                return i;
     vgpu_log(&logged, "all %d process slots are taken; this process's share is not returned "
              "if it dies", VGPU_MAX_SLOTS);
     return SLOTLESS;
@@ -392,7 +397,7 @@ static struct vgpu_shared *lock_with_slot(void)
         lock_budget(s);
         return s;
     }
-    int slot = claim_slot();
+    int slot = claim_slot(s);
     uint32_t id = slot >= 0 ? (uint32_t)slot + 1 : VGPU_LOCK_NO_SLOT, expected = 0;
     slotless_hold(id, F_WRLCK);
     if (!__atomic_compare_exchange_n(&s->lock, &expected, id, 0, __ATOMIC_ACQUIRE,
@@ -528,9 +533,28 @@ int vgpu_budget_pids(struct vgpu_pid *out, int max)
         if (s->slots[i].pid != 0) {
             out[n].pid = s->slots[i].pid;
             out[n].host_pid = s->slots[i].host_pid;
+            out[n].slot = (int)i;
             n++;
         }
     unlock_budget(s);
+    return n;
+}
+
+int vgpu_budget_peek_pids(struct vgpu_pid *out, int max)
+{
+    struct vgpu_shared *s = budget();
+    int n = 0;
+    uint32_t hwm = __atomic_load_n(&s->slot_hwm, __ATOMIC_ACQUIRE);
+    hwm = hwm < VGPU_MAX_SLOTS ? hwm : VGPU_MAX_SLOTS;
+    for (uint32_t i = 0; i < hwm && n < max; i++) {
+        int32_t pid = __atomic_load_n(&s->slots[i].pid, __ATOMIC_RELAXED);
+        if (pid == 0)
+            continue;
+        out[n].pid = pid;
+        out[n].host_pid = __atomic_load_n(&s->slots[i].host_pid, __ATOMIC_RELAXED);
+        out[n].slot = (int)i;
+        n++;
+    }
     return n;
 }
 
@@ -554,6 +578,7 @@ void vgpu_budget_after_fork(void)
     pthread_mutex_init(&slotless_lock, NULL);
     slotless_holders = 0;
     my_slot = NO_SLOT; /* a slot of its own, under its own liveness lock */
+    poller = 0;        /* the parent's poller lock goes with the parent's descriptor */
     my_host_pid = 0;
     if (shm && !shm_private) {
         /* The parent's open file, held by our descriptor and by our mapping,
@@ -583,4 +608,85 @@ void vgpu_budget_note_wait(void)
     struct vgpu_shared *s = __atomic_load_n(&shm, __ATOMIC_ACQUIRE);
     if (s && !shm_private)
         __atomic_fetch_add(&s->throttle_waits, 1, __ATOMIC_RELAXED);
+}
+
+/* ---- the container's utilisation poller (vgpu_shared.h) ---- */
+
+int vgpu_budget_poll_read(struct vgpu_poll *out)
+{
+    struct vgpu_shared *s = budget();
+    if (shm_private)
+        return -1;
+    for (int attempt = 0; attempt < 4; attempt++) {
+        uint32_t seq = __atomic_load_n(&s->poll_seq, __ATOMIC_ACQUIRE);
+        if (seq == 0)
+            return -1; /* nobody published yet */
+        if (seq & 1)
+            continue; /* being written (or its writer died mid-way: stale soon) */
+        out->seq = seq;
+        out->at_ns = (long long)__atomic_load_n(&s->poll_at_ns, __ATOMIC_RELAXED);
+        out->rc = (int)__atomic_load_n(&s->poll_rc, __ATOMIC_RELAXED);
+        uint32_t c = __atomic_load_n(&s->poll_container_centi, __ATOMIC_RELAXED);
+        int slot = __atomic_load_n(&my_slot, __ATOMIC_RELAXED);
+        uint32_t self = slot >= 0 && slot < VGPU_MAX_SLOTS
+                            ? __atomic_load_n(&s->poll_slot_centi[slot], __ATOMIC_RELAXED)
+                            : 0;
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&s->poll_seq, __ATOMIC_RELAXED) != seq)
+            continue;
+        /* tenant-writable: bounded before use */
+        out->container = (c <= 10000 ? c : 10000) / 100.0;
+        out->self = (self <= 10000 ? self : 10000) / 100.0;
+        if (out->rc < VGPU_POLL_OK || out->rc > VGPU_POLL_UNSUPPORTED)
+            out->rc = VGPU_POLL_NO_SAMPLE;
+        return 0;
+    }
+    return -1;
+}
+
+int vgpu_budget_poll_take(void)
+{
+    if (poller)
+        return 1;
+    struct vgpu_shared *s = budget();
+    (void)s;
+    if (shm_private || shm_fd < 0)
+        return -1; /* no shared file: each process polls for itself */
+    poller = ofd_lock(shm_fd, VGPU_POLLER_LOCK, F_WRLCK, 0) == 0;
+    if (poller)
+        VGPU_TRACE("budget: this process polls NVML for the container");
+    return poller;
+}
+
+static uint32_t poll_writing;
+
+void vgpu_budget_poll_begin(void)
+{
+    struct vgpu_shared *s = budget();
+    uint32_t v = __atomic_load_n(&s->poll_seq, __ATOMIC_RELAXED);
+    v = (v + 1) | 1; /* odd; a dead writer's odd value moves on too */
+    poll_writing = v;
+    __atomic_store_n(&s->poll_seq, v, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    memset(s->poll_slot_centi, 0, sizeof(s->poll_slot_centi));
+}
+
+void vgpu_budget_poll_slot(int slot, double percent)
+{
+    struct vgpu_shared *s = budget();
+    if (slot >= 0 && slot < VGPU_MAX_SLOTS)
+        s->poll_slot_centi[slot] = (uint16_t)(percent <= 0 ? 0 : percent >= 100 ? 10000
+                                                                                 : percent * 100 + 0.5);
+}
+
+void vgpu_budget_poll_end(int rc, double container_percent, long long at_ns)
+{
+    struct vgpu_shared *s = budget();
+    s->poll_rc = (uint32_t)rc;
+    s->poll_container_centi = (uint32_t)(container_percent <= 0 ? 0
+                                         : container_percent >= 100 ? 10000
+                                                                    : container_percent * 100 + 0.5);
+    s->poll_at_ns = (uint64_t)at_ns;
+    uint32_t next = poll_writing + 1;
+    __atomic_store_n(&s->poll_seq, next ? next : 2, __ATOMIC_RELEASE); /* even, never 0 */
 }

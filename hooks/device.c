@@ -292,7 +292,7 @@ static int candidate_memory(const struct candidates *c, nvmlProcessInfo_v2_t *bu
 static void drop_others(struct candidates *c, const unsigned long long *now)
 {
     static struct vgpu_pid ours[VGPU_MAX_SLOTS]; /* under pending_lock */
-    int nours = vgpu_budget_pids(ours, VGPU_MAX_SLOTS), kept = 0;
+    int nours = vgpu_budget_peek_pids(ours, VGPU_MAX_SLOTS), kept = 0;
     for (int i = 0; i < c->n; i++) {
         int sibling = 0;
         for (int j = 0; j < nours && !sibling; j++)

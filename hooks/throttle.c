@@ -23,6 +23,7 @@
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -50,6 +51,7 @@ static long long tokens;          /* ns of GPU time; negative = debt */
 static long long kernel_cost_ns = 100000; /* estimate per kernel launch */
 static unsigned long long kernel_launches;
 static long long graph_ns;        /* GPU time charged to graph launches this period */
+static unsigned long long bucket_waits; /* launches that found the bucket empty */
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 
 typedef CUresult (*event_create_fn)(CUevent *, unsigned int);
@@ -108,19 +110,42 @@ struct util {
     double container; /* the container's processes */
 };
 
-static int find_pid(unsigned int pid, const struct vgpu_pid *pids, int npids)
+/* One device's new samples, one entry per host pid (the mean of its samples),
+ * sorted by pid: controller thread only. */
+struct pid_util {
+    unsigned int pid;
+    double util;
+};
+static struct pid_util per_pid[VGPU_MAX_DEVICES][MAX_SAMPLES];
+static int per_pid_count[VGPU_MAX_DEVICES];
+
+static int by_pid(const void *a, const void *b)
 {
-    for (int i = 0; i < npids; i++)
-        if (pids[i].host_pid && pids[i].host_pid == pid)
-            return 1;
-    return 0;
+    unsigned int x = ((const struct pid_util *)a)->pid, y = ((const struct pid_util *)b)->pid;
+    return x < y ? -1 : x > y;
+}
+
+static int by_host_pid(const void *a, const void *b)
+{
+    unsigned int x = ((const struct vgpu_pid *)a)->host_pid,
+                 y = ((const struct vgpu_pid *)b)->host_pid;
+    return x < y ? -1 : x > y;
+}
+
+static double util_of(unsigned int d, unsigned int pid)
+{
+    struct pid_util key = {pid, 0};
+    const struct pid_util *hit =
+        bsearch(&key, per_pid[d], (size_t)per_pid_count[d], sizeof(key), by_pid);
+    return hit ? hit->util : 0;
 }
 
 /*
  * SM utilisation (percent) of one device's new samples: per process the mean
- * of its samples; summed over the container's host pids, and this process's
- * alone.  Returns -1 when NVML has no new sample, -2 when it has none to give
- * (not supported, e.g. MIG).
+ * of its samples; summed over the container's host pids (`pids`, sorted by
+ * host pid), and this process's alone.  O(n log n) in the samples and pids:
+ * hundreds of processes poll this.  Returns -1 when NVML has no new sample,
+ * -2 when it has none to give (not supported, e.g. MIG).
  */
 static int device_util(unsigned int d, const struct vgpu_pid *pids, int npids, unsigned self,
                        struct util *out)
@@ -128,36 +153,47 @@ static int device_util(unsigned int d, const struct vgpu_pid *pids, int npids, u
     static int logged;
     static nvmlProcessUtilizationSample_t samples[MAX_SAMPLES]; /* controller thread only */
     unsigned int n = MAX_SAMPLES;
+    per_pid_count[d] = 0;
     nvmlReturn_t rc = vgpu_nvml.utilization(nvml.devices[d], samples, &n, nvml.last_seen[d]);
     if (rc == NVML_ERROR_NOT_SUPPORTED)
         return -2;
     if (rc != NVML_SUCCESS || n == 0)
         return -1;
-    double all = 0;
-    int known = 0;
-    *out = (struct util){0, 0};
-    for (int i = 0; i < npids; i++)
-        known |= pids[i].host_pid != 0;
-    for (unsigned int i = 0; i < n && i < MAX_SAMPLES; i++) {
+    n = n < MAX_SAMPLES ? n : MAX_SAMPLES;
+    struct pid_util *agg = per_pid[d];
+    unsigned int counts[MAX_SAMPLES];
+    for (unsigned int i = 0; i < n; i++) {
         if (samples[i].timeStamp > nvml.last_seen[d])
             nvml.last_seen[d] = samples[i].timeStamp;
-        unsigned int sum = 0, count = 0, first = 1;
-        for (unsigned int j = 0; j < n && j < MAX_SAMPLES; j++) {
-            if (samples[j].pid != samples[i].pid)
-                continue;
-            first &= j >= i; /* count each pid once, at its first sample */
-            sum += samples[j].smUtil;
-            count++;
-        }
-        if (!first)
-            continue;
-        double u = (double)sum / count;
-        all += u;
-        if (find_pid(samples[i].pid, pids, npids))
-            out->container += u;
-        if (self && samples[i].pid == self)
-            out->self += u;
+        agg[i] = (struct pid_util){samples[i].pid, samples[i].smUtil};
     }
+    qsort(agg, n, sizeof(*agg), by_pid);
+    int m = 0;
+    for (unsigned int i = 0; i < n; i++) { /* sum per pid, then the mean */
+        if (m && agg[m - 1].pid == agg[i].pid) {
+            agg[m - 1].util += agg[i].util;
+            counts[m - 1]++;
+        } else {
+            agg[m] = agg[i];
+            counts[m++] = 1;
+        }
+    }
+    double all = 0;
+    *out = (struct util){0, 0};
+    for (int i = 0; i < m; i++) {
+        agg[i].util /= counts[i];
+        all += agg[i].util;
+    }
+    per_pid_count[d] = m;
+    int known = 0;
+    for (int i = 0; i < npids; i++) { /* each host pid once (sorted) */
+        if (!pids[i].host_pid || (i && pids[i].host_pid == pids[i - 1].host_pid))
+            continue;
+        known = 1;
+        out->container += util_of(d, pids[i].host_pid);
+    }
+    if (self)
+        out->self = util_of(d, self);
     if (!known) {
         if (!vgpu_device_host_pid_pending()) /* else said once that is settled */
             vgpu_log(&logged, "no host pid of this container is known (no context seen); "
@@ -169,13 +205,15 @@ static int device_util(unsigned int d, const struct vgpu_pid *pids, int npids, u
     return 0;
 }
 
-/* The busiest device's figures; -1 without new samples, -2 if unsupported everywhere. */
-static int container_util(struct util *u)
+/* The busiest device's figures; -1 without new samples, -2 if unsupported everywhere.
+ * `publish`: this process is the container's poller and writes what it saw. */
+static int container_util(struct util *u, int publish)
 {
     static struct vgpu_pid pids[VGPU_MAX_SLOTS]; /* controller thread only */
-    int npids = vgpu_budget_pids(pids, VGPU_MAX_SLOTS);
+    int npids = vgpu_budget_peek_pids(pids, VGPU_MAX_SLOTS);
+    qsort(pids, (size_t)npids, sizeof(pids[0]), by_host_pid);
     unsigned self = vgpu_budget_host_pid();
-    int rc = -2;
+    int rc = -2, busiest = -1;
     *u = (struct util){-1, -1};
     for (unsigned int d = 0; d < nvml.device_count; d++) {
         struct util du;
@@ -184,11 +222,63 @@ static int container_util(struct util *u)
             rc = -1;
         if (r == 0) {
             rc = 0;
-            if (du.container > u->container)
+            if (du.container > u->container) {
                 *u = du;
+                busiest = (int)d;
+            }
         }
     }
+    if (publish) {
+        vgpu_budget_poll_begin();
+        for (int i = 0; busiest >= 0 && i < npids; i++)
+            if (pids[i].host_pid)
+                vgpu_budget_poll_slot(pids[i].slot, util_of((unsigned)busiest, pids[i].host_pid));
+        vgpu_budget_poll_end(rc == 0 ? VGPU_POLL_OK : rc == -1 ? VGPU_POLL_NO_SAMPLE
+                                                               : VGPU_POLL_UNSUPPORTED,
+                             rc == 0 ? u->container : 0, now_ns());
+    }
     return rc;
+}
+
+/*
+ * The container's utilisation for this control period.  One process of the
+ * container (the poller) queries NVML and publishes what it saw in the budget
+ * file; the others read that, so a container of hundreds of processes runs one
+ * NVML query per period, not hundreds.  A publication that stops (the poller
+ * died or hangs) is taken over by the next process that finds it stale; a
+ * process without a shared file polls for itself.
+ */
+static struct {
+    uint32_t seq;      /* the publication last used */
+    long long stale_since;
+} followed;
+
+static int sampled_util(struct util *u)
+{
+    int role = vgpu_budget_poll_take();
+    if (role != 0) /* the poller publishes; a process without a shared file polls alone */
+        return container_util(u, role > 0);
+    struct vgpu_poll p;
+    long long t = now_ns();
+    int have = vgpu_budget_poll_read(&p) == 0;
+    if (have && t - p.at_ns <= VGPU_POLL_STALE_MS * 1000000ll && p.at_ns <= t + 1000000000ll) {
+        followed.stale_since = 0;
+        if (p.seq == followed.seq)
+            return -1; /* nothing new since the last period */
+        followed.seq = p.seq;
+        if (p.rc != VGPU_POLL_OK)
+            return p.rc == VGPU_POLL_UNSUPPORTED ? -2 : -1;
+        unsigned self = vgpu_budget_host_pid();
+        *u = (struct util){self ? p.self : p.container, p.container};
+        return 0;
+    }
+    /* No poller, or a stale one that still holds the lock (hung, or starved of
+     * CPU): after as long again, poll for ourselves without publishing. */
+    if (!followed.stale_since)
+        followed.stale_since = t;
+    if (t - followed.stale_since < VGPU_POLL_STALE_MS * 1000000ll)
+        return -1;
+    return container_util(u, 0);
 }
 
 static double clamp(double v, double lo, double hi)
@@ -234,8 +324,8 @@ static void *controller(void *arg)
     static int logged;
     (void)arg;
     double limit = current_limit(), gain = 1;
-    unsigned long long seen = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
-    long long since = now_ns();
+    unsigned long long seen = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED), waits_seen = 0;
+    long long since = now_ns(), refilled_at = since;
     int unsupported = 0;
     /* A window of WINDOW control periods: utilisation averaged over it
      * steers the gain and the kernel cost estimate. */
@@ -246,7 +336,15 @@ static void *controller(void *arg)
         int periods;
     } w = {0, 0, 0, 0, 0, 0};
     for (unsigned long tick = 1;; tick++) {
-        sleep_ns(REFILL_NS);
+        if (!__atomic_load_n(&engaged, __ATOMIC_ACQUIRE) && tick % CONTROL_EVERY) {
+            /* Nothing to refill: sleep to the next control period (hundreds
+             * of processes must not each wake every 5 ms for nothing). */
+            unsigned long skip = CONTROL_EVERY - tick % CONTROL_EVERY;
+            sleep_ns((long long)(skip + 1) * REFILL_NS);
+            tick += skip;
+        } else {
+            sleep_ns(REFILL_NS);
+        }
         if (tick % CONTROL_EVERY == 0) {
             limit = current_limit();
             long long t = now_ns(), dt = t - since;
@@ -257,7 +355,7 @@ static void *controller(void *arg)
             since = t;
             vgpu_device_retry_host_pid();
             struct util u;
-            int rc = container_util(&u);
+            int rc = sampled_util(&u);
             unsupported = rc == -2 ? unsupported + 1 : 0;
             if (unsupported >= 3) {
                 vgpu_log(&logged, "NVML has no per-process utilisation for this device (MIG or "
@@ -316,7 +414,14 @@ static void *controller(void *arg)
                                       __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED) +
                                   w.graphs_ns;
                 double allowed = limit / 100 * gain * (double)w.dt;
-                gain = clamp(gain * clamp(limit / (util > 0.5 ? util : 0.5), 0.7, 1.4), 0.02, 50);
+                double step = clamp(limit / (util > 0.5 ? util : 0.5), 0.7, 1.4);
+                unsigned long long waits = __atomic_load_n(&bucket_waits, __ATOMIC_RELAXED);
+                /* Raise the gain only when the bucket held launches back: below
+                 * the limit for another reason (neighbours on the card, the
+                 * program itself) a raise would wind up and overshoot later. */
+                if (step < 1 || waits != waits_seen)
+                    gain = clamp(gain * step, 0.02, 50);
+                waits_seen = waits;
                 if (util < limit && (double)spent * 4 < allowed &&
                     __atomic_load_n(&tokens, __ATOMIC_RELAXED) >= 0) {
                     __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
@@ -331,9 +436,16 @@ static void *controller(void *arg)
             w.launches = 0;
             w.periods = 0;
         }
+        long long t_refill = now_ns(), elapsed = t_refill - refilled_at;
+        refilled_at = t_refill;
         if (!__atomic_load_n(&engaged, __ATOMIC_ACQUIRE))
             continue;
-        long long add = (long long)(limit / 100 * gain * REFILL_NS),
+        /* By the time that really passed: on a loaded CPU this thread wakes
+         * late, and a fixed amount per tick would starve the bucket (the gain
+         * then makes up for it and overshoots once the CPU is back). */
+        if (elapsed < REFILL_NS / 2 || elapsed > BURST_NS)
+            elapsed = elapsed < REFILL_NS / 2 ? REFILL_NS / 2 : BURST_NS;
+        long long add = (long long)(limit / 100 * gain * (double)elapsed),
                   cap = (long long)(limit / 100 * gain * BURST_NS);
         long long cur = __atomic_load_n(&tokens, __ATOMIC_RELAXED);
         if (cur + add > cap)
@@ -387,8 +499,10 @@ static inline void wait_tokens(long long cost)
         return;
     long long waited = 0;
     while (__atomic_load_n(&engaged, __ATOMIC_ACQUIRE)) {
-        if (waited == REFILL_NS / 2)
+        if (waited == REFILL_NS / 2) {
             vgpu_budget_note_wait();
+            __atomic_fetch_add(&bucket_waits, 1, __ATOMIC_RELAXED);
+        }
         if (__atomic_load_n(&tokens, __ATOMIC_ACQUIRE) > 0) {
             __atomic_fetch_sub(&tokens,
                                cost ? cost : __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED),
@@ -498,6 +612,7 @@ void vgpu_throttle_after_fork(void)
         state = OFF_UNKNOWN;
     engaged = 0;
     memset(&arb, 0, sizeof(arb));
+    memset(&followed, 0, sizeof(followed));
 }
 
 /* ---- launch wrappers ---- */

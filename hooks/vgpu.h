@@ -101,9 +101,29 @@ uint64_t vgpu_budget_used(int e);
 struct vgpu_pid {
     int pid;           /* in the container */
     unsigned host_pid; /* as NVML reports it; 0 = not known */
+    int slot;          /* its slot in the budget file */
 };
 /* The container's live processes; returns how many (<= max). */
 int vgpu_budget_pids(struct vgpu_pid *out, int max);
+/* The same without the lock or reclaiming dead slots (a racy snapshot, for
+ * matching NVML's host pids: NVML does not list dead processes). */
+int vgpu_budget_peek_pids(struct vgpu_pid *out, int max);
+/* The container's utilisation as its poller last published it (vgpu_shared.h). */
+struct vgpu_poll {
+    uint32_t seq;
+    long long at_ns; /* CLOCK_MONOTONIC */
+    int rc;          /* VGPU_POLL_* */
+    double container, self; /* percent; self: this process's slot */
+};
+/* 0 and the publication, or -1 if there is none (or no shared file). */
+int vgpu_budget_poll_read(struct vgpu_poll *out);
+/* 1 if this process is (now) the container's poller (it stays so until it
+ * dies), 0 if another process is, -1 without a shared file (poll alone). */
+int vgpu_budget_poll_take(void);
+/* The poller's publication: begin, each slot's share, end. */
+void vgpu_budget_poll_begin(void);
+void vgpu_budget_poll_slot(int slot, double percent);
+void vgpu_budget_poll_end(int rc, double container_percent, long long at_ns);
 /* This process's host pid, once learned (0 = not known). */
 void vgpu_budget_set_host_pid(unsigned host_pid);
 unsigned vgpu_budget_host_pid(void);

@@ -22,6 +22,12 @@
  *    descriptor of that open file goes, zombie or not; closing some other
  *    descriptor of the same file does not drop it), and its bytes are given
  *    back.
+ *  - One hook process of the container at a time polls NVML for the
+ *    container's utilisation (the poller: it holds an OFD write lock on byte
+ *    VGPU_POLLER_LOCK, dropped by the kernel when it dies) and publishes it in
+ *    `poll_*` under a sequence lock (`poll_seq` odd while it writes); the
+ *    other processes read it instead of each querying NVML.  A publication
+ *    older than VGPU_POLL_STALE_MS lets another process take over.
  *  - The file is sized, allocated and initialised under an OFD lock on
  *    byte 0.  A zero-filled file (magic 0), as the daemon pre-creates it, is
  *    initialised by the first process.
@@ -32,7 +38,7 @@
 #include <stdint.h>
 
 #define VGPU_SHARED_MAGIC 0x76475055u /* "UPGv" */
-#define VGPU_SHARED_VERSION 3u
+#define VGPU_SHARED_VERSION 4u
 #define VGPU_SHARED_FILE "vgpu.shm"
 /* The file's one size: sizeof(struct vgpu_shared) rounded up to 4 KiB. */
 #define VGPU_SHARED_FILE_BYTES 143360u
@@ -46,6 +52,14 @@
 /* OFD lock byte a process without a slot holds while it owns the budget lock
  * (dies with it, so its death is seen at once). */
 #define VGPU_SLOTLESS_LOCK (VGPU_SLOT_LOCK_BASE - 1)
+/* OFD lock byte the container's utilisation poller holds while it lives. */
+#define VGPU_POLLER_LOCK (VGPU_SLOT_LOCK_BASE - 2)
+/* A poller publication older than this (ms): another process takes over. */
+#define VGPU_POLL_STALE_MS 200
+/* poll_rc: the poller's last NVML answer */
+#define VGPU_POLL_OK 0
+#define VGPU_POLL_NO_SAMPLE 1
+#define VGPU_POLL_UNSUPPORTED 2
 /* arbiter word: sequence << 16 | allowed share in 1/100 % (<= 10000) */
 #define VGPU_ARBITER_SHARE_MASK 0xffffull
 #define VGPU_ARBITER_SEQ_SHIFT 16
@@ -78,6 +92,13 @@ struct vgpu_shared {
     uint64_t used[VGPU_MAX_DEVICES]; /* sum of the slots' `used` */
     char devices[VGPU_MAX_DEVICES][VGPU_UUID_BYTES]; /* card UUID of each device entry */
     struct vgpu_slot slots[VGPU_MAX_SLOTS];
+    /* ---- v4: written by the container's utilisation poller (one hook process) ---- */
+    uint32_t poll_seq;             /* sequence lock: odd while being written */
+    uint32_t poll_rc;              /* VGPU_POLL_* */
+    uint64_t poll_at_ns;           /* CLOCK_MONOTONIC of the publication */
+    uint32_t poll_container_centi; /* the container's SM utilisation (busiest card), 1/100 % */
+    uint32_t poll_reserved;
+    uint16_t poll_slot_centi[VGPU_MAX_SLOTS]; /* each slot's own share of it, 1/100 % */
 };
 
 _Static_assert(sizeof(struct vgpu_shared) <= VGPU_SHARED_FILE_BYTES &&

@@ -47,8 +47,9 @@ DEMAND_CASES = [
     # id, achieved, allowed, share, guarantee, cap, want
     ("presses-its-allowance", 29, 30, 30, 30, 100, 100),
     ("presses-cap-only-cap", 50, 50, 50, 50, 50, 50),
-    ("light-program", 20, 50, 25, 50, 100, 25),
-    ("idle", 0, 30, 5, 30, 100, 5),
+    ("light-program-below-guarantee-no-headroom", 20, 50, 25, 50, 100, 20),
+    ("light-program-above-guarantee-headroom", 20, 50, 25, 10, 100, 25),
+    ("idle-holds-nothing-back", 0, 30, 5, 30, 100, 0),
     ("woke-up-squeezed", 6, 50, 5, 50, 50, 50),
     ("uses-its-share-wants-step", 40, 100, 40, 30, 100, 45),
     ("achieved-above-100-clamped", 250, 100, 100, 10, 100, 100),

@@ -38,6 +38,7 @@ def test_budget_file_layout_is_the_same_in_c_and_python() -> None:
     assert offsets["used"] == budget.USED_AT
     assert offsets["devices"] == budget.DEVICES_AT
     assert offsets["slots"] == budget.SLOTS_AT
+    assert offsets["poll_seq"] == budget.POLL_AT
     assert layout["slot_bytes"] == budget.SLOT.size
     assert layout["slot_offsets"] == {"pid": 0, "host_pid": 4, "used": 8}
     fields = ["magic", "version", "file_bytes", "slot_count", "slot_hwm", "device_count"]

@@ -24,7 +24,9 @@ from vgpu.core.contract import BUDGET_FILE_NAME
 FILE_NAME = BUDGET_FILE_NAME
 FILE_BYTES = 143360  # VGPU_SHARED_FILE_BYTES
 MAGIC = 0x76475055
-VERSION = 3  # 3: the compute arbiter's words after limit_bytes
+VERSION = (
+    4  # 3: the compute arbiter's words after limit_bytes; 4: the hooks' poller after the slots
+)
 MAX_DEVICES = 16
 MAX_SLOTS = 1024
 UUID_BYTES = 48
@@ -44,6 +46,10 @@ USED_AT = ARBITER_AT + ARBITER.size
 DEVICES_AT = USED_AT + 8 * MAX_DEVICES
 SLOTS_AT = DEVICES_AT + UUID_BYTES * MAX_DEVICES
 SLOT = struct.Struct(f"<iI{MAX_DEVICES}Q")
+# v4: after the slots, the hooks' utilisation poller (hooks only; the daemon reads
+# NVML itself): uint32 poll_seq, poll_rc, uint64 poll_at_ns, uint32 container centi,
+# reserved, uint16 per-slot centi[MAX_SLOTS].
+POLL_AT = SLOTS_AT + SLOT.size * MAX_SLOTS
 _FLOCK = "hhqqi4x"  # struct flock on Linux x86_64 / aarch64
 # Version 1 files (before the file had one fixed size) belong to containers that
 # still run the old hook, which maps exactly this size: never resize them.
@@ -194,7 +200,7 @@ class OldFormat(Exception):
 
 
 def _check_format(path: Path, fd: int, size: int) -> bool:
-    """True for a v3 file (or a pre-created zero one), OldFormat for another
+    """True for a current-version file (or a pre-created zero one), OldFormat for another
     version, False for anything else (wrong size, garbage)."""
     if size != FILE_BYTES:
         return False
@@ -256,7 +262,7 @@ class ArbiterView:
 
 def read_arbiter(path: Path) -> ArbiterView | None:
     """The arbiter's words of one container's file; None when the file is not a
-    v3 budget file or no arbiter wrote it yet."""
+    current-version budget file or no arbiter wrote it yet."""
     opened = _open_regular(path, os.O_RDONLY)
     if opened is None:
         return None
@@ -286,7 +292,7 @@ def read_arbiter(path: Path) -> ArbiterView | None:
 
 def throttle_waits(path: Path) -> int | None:
     """The hooks' wrapping count of launches that waited for tokens; None when the
-    file is not a usable v3 budget file."""
+    file is not a usable current-version budget file."""
     opened = _open_regular(path, os.O_RDONLY)
     if opened is None:
         return None
@@ -304,7 +310,7 @@ def throttle_waits(path: Path) -> int | None:
 
 def live_host_pids(path: Path) -> frozenset[int] | None:
     """Host pids (as NVML reports them) of the container's live processes; None
-    when the file is not a usable v3 budget file."""
+    when the file is not a usable current-version budget file."""
     opened = _open_regular(path, os.O_RDONLY)
     if opened is None:
         return None

@@ -65,7 +65,9 @@ def estimate_demand(
       it achieved (about) all it was allowed: it wants as much as it may (its cap).
     - It achieved all of its planned share, but the card was shared: it may be
       squeezed by its neighbours, so it wants at least its guarantee and a step more.
-    - Otherwise its own program is the limit: what it achieved, plus headroom.
+    - Otherwise its own program is the limit: what it achieved, plus headroom
+      when that reaches above its guarantee (below it, the allowance already
+      leaves room to grow).
     """
     achieved = max(0.0, min(CARD_PERCENT, achieved_percent))
     if throttled or (
@@ -74,6 +76,11 @@ def estimate_demand(
         return cap_percent
     if achieved > IDLE_PERCENT and achieved >= share_percent - _press_margin(share_percent):
         return min(cap_percent, max(guarantee_percent, share_percent + HEADROOM_PERCENT))
+    if achieved + HEADROOM_PERCENT <= guarantee_percent:
+        # Its allowance never falls below its guarantee, so it can grow back to
+        # it at once: no headroom is held for it, which would leave capacity
+        # idle that a pressing neighbour wants.
+        return achieved
     return min(cap_percent, achieved + HEADROOM_PERCENT)
 
 
