@@ -27,6 +27,9 @@ Wire facts it follows (kube-scheduler's pkg/scheduler/extender.go):
 
 The built-in filter is reduced to what matters here: NodeResourcesFit on the
 managed resources (node allocatable minus what bound and assumed pods ask).
+As kube-scheduler's findNodesThatPassFilters, it stops once it has found
+``num_feasible_nodes_to_find`` feasible nodes, starting each cycle where the
+last one stopped, and the extender sees only those nodes.
 """
 
 from __future__ import annotations
@@ -48,6 +51,23 @@ __all__ = ["SchedulerStandIn"]
 
 MAX_NODE_SCORE = 100
 MAX_EXTENDER_PRIORITY = 10
+MIN_FEASIBLE_NODES_TO_FIND = 100
+MIN_FEASIBLE_NODES_PERCENTAGE_TO_FIND = 5
+
+
+def num_feasible_nodes_to_find(all_nodes: int, percentage_of_nodes_to_score: int = 0) -> int:
+    """How many feasible nodes a scheduling cycle looks for before it stops
+    filtering: kube-scheduler's numFeasibleNodesToFind (pkg/scheduler/
+    schedule_one.go). Below 100 nodes, all of them. Otherwise
+    percentageOfNodesToScore percent of the nodes, where 0 (unset, the default)
+    means the adaptive max(5, 50 - nodes/125) percent (integer division, as in
+    Go), and never fewer than 100 nodes."""
+    if all_nodes < MIN_FEASIBLE_NODES_TO_FIND:
+        return all_nodes
+    percentage = percentage_of_nodes_to_score
+    if percentage == 0:
+        percentage = max(MIN_FEASIBLE_NODES_PERCENTAGE_TO_FIND, 50 - all_nodes // 125)
+    return max(MIN_FEASIBLE_NODES_TO_FIND, all_nodes * percentage // 100)
 
 
 class ExtenderError(Exception):
@@ -96,6 +116,7 @@ class SchedulerStandIn:
         initial_backoff_s: float = 0.1,
         max_backoff_s: float = 1.0,
         seed: int = 0,
+        percentage_of_nodes_to_score: int = 0,
     ) -> None:
         self.api = api
         self.extender_url = extender_url.rstrip("/")
@@ -108,6 +129,10 @@ class SchedulerStandIn:
         self.initial_backoff_s = initial_backoff_s
         self.max_backoff_s = max_backoff_s
         self.rng = random.Random(seed)
+        if not 0 <= percentage_of_nodes_to_score <= 100:
+            raise ValueError("percentage_of_nodes_to_score must be 0 (adaptive) to 100")
+        self.percentage_of_nodes_to_score = percentage_of_nodes_to_score
+        self._next_start_node_index = 0  # kube-scheduler's nextStartNodeIndex
         self.stats = Stats()
         self._pods: dict[str, _PodState] = {}
         self._assumed: dict[str, tuple[str, dict[str, int]]] = {}  # uid -> (node, requests)
@@ -228,13 +253,17 @@ class SchedulerStandIn:
                     self._assumed.pop(uid, None)
         return used
 
-    def _fits_totals(
+    def _find_feasible(
         self,
         pod: dict[str, Any],
         nodes: list[dict[str, Any]],
         bound_used: dict[str, dict[str, int]] | None = None,
-    ) -> dict[str, str]:
-        """NodeResourcesFit on the managed resources: node name -> reason for those failing."""
+    ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """NodeResourcesFit on the managed resources, as kube-scheduler's
+        findNodesThatPassFilters runs its filters: from nextStartNodeIndex
+        round the node list, stopping once num_feasible_nodes_to_find nodes
+        passed; the next cycle starts after the nodes this one processed.
+        Returns the feasible nodes and the reasons of those that failed."""
         wanted = self._requests(pod)
         if bound_used is None:
             bound_used = self._bound_usage(self.api.pods())
@@ -245,15 +274,26 @@ class SchedulerStandIn:
                     continue
                 for r, n in requests.items():
                     used.setdefault(host, {})[r] = used.setdefault(host, {}).get(r, 0) + n
-        failed = {}
-        for node in nodes:
+        total = len(nodes)
+        to_find = num_feasible_nodes_to_find(total, self.percentage_of_nodes_to_score)
+        start = self._next_start_node_index % total if total else 0
+        feasible: list[dict[str, Any]] = []
+        failed: dict[str, str] = {}
+        for i in range(total):
+            if len(feasible) >= to_find:
+                break
+            node = nodes[(start + i) % total]
             name = node["metadata"]["name"]
             allocatable = (node.get("status") or {}).get("allocatable") or {}
             for r, n in sorted(wanted.items()):
                 if n and _quantity(allocatable.get(r, 0)) - used.get(name, {}).get(r, 0) < n:
                     failed[name] = f"Insufficient {r}"
                     break
-        return failed
+            else:
+                feasible.append(node)
+        if total:
+            self._next_start_node_index = (start + len(feasible) + len(failed)) % total
+        return feasible, failed
 
     def _schedule_one(
         self,
@@ -267,8 +307,7 @@ class SchedulerStandIn:
             self._pods.setdefault(uid, _PodState()).attempts += 1
         if nodes is None:
             nodes = [n for n in self.api.nodes() if not (n.get("spec") or {}).get("unschedulable")]
-        reasons = self._fits_totals(pod, nodes, used)
-        feasible = [n for n in nodes if n["metadata"]["name"] not in reasons]
+        feasible, reasons = self._find_feasible(pod, nodes, used)
         interested = self.interested(pod)
         try:
             if interested and feasible:
