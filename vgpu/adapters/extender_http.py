@@ -18,6 +18,7 @@ dies on input.
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import json
 import logging
 import socket
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 import uuid
+from http import HTTPStatus
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -37,6 +39,8 @@ from vgpu.core.scheduling import FilterVerdict
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a 5,000-node NodeList fits
+MAX_LINE_BYTES = 65536  # request line or one header line
+MAX_HEADERS = 100
 VERBS = ("filter", "prioritize", "bind")
 
 
@@ -179,6 +183,60 @@ class _Handler(BaseHTTPRequestHandler):
         with contextlib.suppress(OSError):
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
+    # http.server's own request parsing (an email.message header parser) and
+    # its answers (status, Server and Date headers written line by line) were
+    # a third of the extender's time per request: parse the request line and
+    # the headers directly, in bounded amounts, and answer in one write.
+
+    def handle_one_request(self) -> None:
+        self._hdrs: dict[str, str] = {}
+        try:
+            line = self.rfile.readline(MAX_LINE_BYTES + 1)
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True
+            return
+        if not line:
+            self.close_connection = True
+            return
+        self.close_connection = True  # until the request is known to be well formed
+        if len(line) > MAX_LINE_BYTES:
+            self._send(414, b"request line too long\n", "text/plain")
+            return
+        parts = line.decode("latin-1").split()
+        if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
+            self._send(400, b"bad request line: send METHOD PATH HTTP/1.1\n", "text/plain")
+            return
+        self.command, self.path, self.request_version = parts
+        headers = self._hdrs
+        for _ in range(MAX_HEADERS + 1):
+            raw = self.rfile.readline(MAX_LINE_BYTES + 1)
+            if len(raw) > MAX_LINE_BYTES:
+                self._send(431, b"header line too long\n", "text/plain")
+                return
+            if raw in (b"\r\n", b"\n", b""):
+                break
+            name, sep, value = raw.decode("latin-1").partition(":")
+            if not sep or not name.strip() or name != name.strip():
+                self._send(400, b"malformed header line\n", "text/plain")
+                return
+            headers[name.lower()] = value.strip()
+        else:
+            self._send(431, f"more than {MAX_HEADERS} headers\n".encode(), "text/plain")
+            return
+        connection = headers.get("connection", "").lower()
+        self.close_connection = connection == "close" or (
+            self.request_version == "HTTP/1.0" and connection != "keep-alive"
+        )
+        if headers.get("expect", "").lower() == "100-continue":
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self.command == "POST":
+            self.do_POST()
+        elif self.command == "GET":
+            self.do_GET()
+        else:
+            self._drain()
+            self._send(501, f"method {self.command!r} not supported\n".encode(), "text/plain")
+
     def do_GET(self) -> None:
         edge = cast(_Server, self.server).edge
         path = self.path.split("?", 1)[0].rstrip("/")
@@ -237,16 +295,16 @@ class _Handler(BaseHTTPRequestHandler):
                 edge.observe(verb, time.perf_counter() - started, outcome)
 
     def _drain(self) -> None:
-        length = self.headers.get("Content-Length")
+        length = self._hdrs.get("content-length")
         if length and length.isdigit() and int(length) <= MAX_BODY_BYTES:
             self.rfile.read(int(length))
         else:
             self.close_connection = True
 
     def _body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding"):
+        if self._hdrs.get("transfer-encoding"):
             raise _TooLarge(411, "send the body with a Content-Length")
-        length = self.headers.get("Content-Length")
+        length = self._hdrs.get("content-length")
         if length is None or not length.isdigit():
             raise _TooLarge(411, "a Content-Length header is required")
         if int(length) > MAX_BODY_BYTES:
@@ -254,11 +312,31 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(int(length))
 
     def _send(self, code: int, body: bytes, ctype: str) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        close = "Connection: close\r\n" if self.close_connection else ""
+        head = (
+            f"HTTP/1.1 {code} {_reason(code)}\r\nServer: vgpu-extender\r\nDate: {_date()}\r\n"
+            f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n{close}\r\n"
+        )
+        self.wfile.write(head.encode("latin-1") + body)
+
+
+def _reason(code: int) -> str:
+    try:
+        return HTTPStatus(code).phrase
+    except ValueError:
+        return "Unknown"
+
+
+_date_cache: tuple[int, str] = (0, "")
+
+
+def _date() -> str:
+    """The Date header (RFC 9110 asks an origin server for one), formatted once a second."""
+    global _date_cache
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache = (now, email.utils.formatdate(now, usegmt=True))
+    return _date_cache[1]
 
 
 class _TooLarge(Exception):
