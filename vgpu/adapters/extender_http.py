@@ -86,7 +86,39 @@ Observer = Callable[[str, float, str], None]  # verb, seconds, outcome
 # ---------------------------------------------------------------- decoding
 
 
-def _pod(args: dict[str, Any], domain: str) -> PodRequest:
+class _PodCache:
+    """Decoded pods by (uid, resourceVersion): kube-scheduler sends the same pod
+    to filter and then to prioritize, and the API server gives every change of
+    a pod a new resourceVersion, so a hit is the same pod. Bounded."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._pods: dict[tuple[str, str], PodRequest] = {}
+
+    def get(self, key: tuple[str, str] | None) -> PodRequest | None:
+        if key is None:
+            return None
+        with self._lock:
+            return self._pods.get(key)
+
+    def put(self, key: tuple[str, str] | None, pod: PodRequest) -> None:
+        if key is None:
+            return
+        with self._lock:
+            if len(self._pods) >= self.size:
+                self._pods.clear()
+            self._pods[key] = pod
+
+
+def _pod_key(meta: dict[str, Any]) -> tuple[str, str] | None:
+    uid, version = meta.get("uid"), meta.get("resourceVersion")
+    if isinstance(uid, str) and uid and isinstance(version, str) and version:
+        return uid, version
+    return None  # no resourceVersion: decode every time
+
+
+def _pod(args: dict[str, Any], domain: str, cache: _PodCache | None = None) -> PodRequest:
     pod = args.get("Pod")
     if not isinstance(pod, dict):
         raise BadRequest("ExtenderArgs.Pod must be a Pod object")
@@ -94,6 +126,14 @@ def _pod(args: dict[str, Any], domain: str) -> PodRequest:
     spec = pod.get("spec")
     if not isinstance(meta, dict) or not isinstance(spec, dict):
         raise BadRequest("ExtenderArgs.Pod needs metadata and spec objects")
+    cache_key = _pod_key(meta) if cache is not None else None
+    hit = cache.get(cache_key) if cache is not None else None
+    if hit is not None and (hit.uid, hit.namespace, hit.name) == (
+        meta.get("uid"),
+        meta.get("namespace"),
+        meta.get("name"),
+    ):
+        return hit
     for key in ("name", "namespace", "uid"):
         if not isinstance(meta.get(key), str) or not meta[key]:
             raise BadRequest(f"ExtenderArgs.Pod.metadata.{key} must be a non-empty string")
@@ -111,9 +151,12 @@ def _pod(args: dict[str, Any], domain: str) -> PodRequest:
                 value = (resources or {}).get(part)
                 if value is not None and not isinstance(value, dict):
                     raise BadRequest(f"ExtenderArgs.Pod.spec.{key}[].resources.{part} must map")
-    return PodRequest(
+    decoded = PodRequest(
         meta["uid"], meta["namespace"], meta["name"], tuple(container_specs(pod, domain))
     )
+    if cache is not None:
+        cache.put(cache_key, decoded)
+    return decoded
 
 
 def _nodes(args: dict[str, Any]) -> tuple[list[str], dict[str, Any] | None]:
@@ -364,6 +407,7 @@ class ExtenderHttp:
         self.verbs = verbs
         self.observe = observe
         self.metrics = metrics
+        self.pods = _PodCache()
         host, _, port_text = address.rpartition(":")
         self._server = _Server((host.strip("[]") or "0.0.0.0", int(port_text)), self)
         self._thread: threading.Thread | None = None
@@ -394,7 +438,7 @@ class ExtenderHttp:
         """One request's JSON -> the answer's JSON (BadRequest for malformed input)."""
         if verb == "bind":
             return {"Error": self.port.bind(_bind_args(args))}
-        pod = _pod(args, self.domain)
+        pod = _pod(args, self.domain, self.pods)
         names, objects = _nodes(args)
         if verb == "prioritize":
             return [{"Host": h, "Score": s} for h, s in self.port.prioritize(pod, names)]

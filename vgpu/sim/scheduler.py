@@ -136,6 +136,7 @@ class SchedulerStandIn:
         self.stats = Stats()
         self._pods: dict[str, _PodState] = {}
         self._assumed: dict[str, tuple[str, dict[str, int]]] = {}  # uid -> (node, requests)
+        self._assumed_used: dict[str, dict[str, int]] = {}  # node -> what assumed pods ask
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -250,7 +251,7 @@ class SchedulerStandIn:
             for uid in list(self._assumed):
                 done = uid in bound or uid not in present
                 if done and not self._pods.get(uid, _PodState()).binding:
-                    self._assumed.pop(uid, None)
+                    self._unassume(uid)
         return used
 
     def _find_feasible(
@@ -264,33 +265,34 @@ class SchedulerStandIn:
         round the node list, stopping once num_feasible_nodes_to_find nodes
         passed; the next cycle starts after the nodes this one processed.
         Returns the feasible nodes and the reasons of those that failed."""
-        wanted = self._requests(pod)
+        wanted = sorted((r, n) for r, n in self._requests(pod).items() if n)
         if bound_used is None:
             bound_used = self._bound_usage(self.api.pods())
-        used = {host: dict(per) for host, per in bound_used.items()}
-        with self._lock:
-            for uid, (host, requests) in self._assumed.items():
-                if uid == pod["metadata"]["uid"]:
-                    continue
-                for r, n in requests.items():
-                    used.setdefault(host, {})[r] = used.setdefault(host, {}).get(r, 0) + n
         total = len(nodes)
         to_find = num_feasible_nodes_to_find(total, self.percentage_of_nodes_to_score)
         start = self._next_start_node_index % total if total else 0
         feasible: list[dict[str, Any]] = []
         failed: dict[str, str] = {}
-        for i in range(total):
-            if len(feasible) >= to_find:
-                break
-            node = nodes[(start + i) % total]
-            name = node["metadata"]["name"]
-            allocatable = (node.get("status") or {}).get("allocatable") or {}
-            for r, n in sorted(wanted.items()):
-                if n and _quantity(allocatable.get(r, 0)) - used.get(name, {}).get(r, 0) < n:
-                    failed[name] = f"Insufficient {r}"
+        nothing: dict[str, int] = {}
+        with self._lock:
+            own_host, own = self._assumed.get(pod["metadata"]["uid"], ("", nothing))
+            for i in range(total):
+                if len(feasible) >= to_find:
                     break
-            else:
-                feasible.append(node)
+                node = nodes[(start + i) % total]
+                name = node["metadata"]["name"]
+                allocatable = (node.get("status") or {}).get("allocatable") or {}
+                bound = bound_used.get(name, nothing)
+                assumed = self._assumed_used.get(name, nothing)
+                for r, n in wanted:
+                    used = bound.get(r, 0) + assumed.get(r, 0)
+                    if name == own_host:
+                        used -= own.get(r, 0)
+                    if _quantity(allocatable.get(r, 0)) - used < n:
+                        failed[name] = f"Insufficient {r}"
+                        break
+                else:
+                    feasible.append(node)
         if total:
             self._next_start_node_index = (start + len(feasible) + len(failed)) % total
         return feasible, failed
@@ -327,9 +329,28 @@ class SchedulerStandIn:
         if len(feasible) > 1:
             host = self._select(pod, feasible, interested)
         with self._lock:
-            self._assumed[uid] = (host, self._requests(pod))
+            self._assume(uid, host, self._requests(pod))
             self._pods[uid].binding = True
         self._pool.submit(self._binding_cycle, pod, host, interested)
+
+    def _assume(self, uid: str, host: str, requests: dict[str, int]) -> None:
+        """Count the pod on `host` until a snapshot shows it bound (under _lock)."""
+        self._unassume(uid)
+        self._assumed[uid] = (host, requests)
+        on_host = self._assumed_used.setdefault(host, {})
+        for r, n in requests.items():
+            on_host[r] = on_host.get(r, 0) + n
+
+    def _unassume(self, uid: str) -> None:
+        """Drop the pod's assumption, if any (under _lock)."""
+        host, requests = self._assumed.pop(uid, ("", {}))
+        on_host = self._assumed_used.get(host)
+        if on_host is None:
+            return
+        for r, n in requests.items():
+            on_host[r] = on_host.get(r, 0) - n
+        if not any(on_host.values()):
+            del self._assumed_used[host]
 
     def _unschedulable(self, pod: dict[str, Any], message: str, nodes: int) -> None:
         meta = pod["metadata"]
@@ -425,7 +446,7 @@ class SchedulerStandIn:
         except ExtenderError as exc:
             self.stats.bind_errors.append(str(exc))
             with self._lock:
-                self._assumed.pop(meta["uid"], None)
+                self._unassume(meta["uid"])
             self._backoff(meta["uid"], f"binding rejected: {exc}")
             return
         with self._lock:
