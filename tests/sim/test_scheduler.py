@@ -8,7 +8,7 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -53,7 +53,7 @@ class _Recorder(BaseHTTPRequestHandler):
     """An extender that passes every node it is sent and records the names."""
 
     protocol_version = "HTTP/1.1"
-    seen: list[list[str]] = []
+    seen: ClassVar[list[list[str]]] = []
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

@@ -64,7 +64,7 @@ def test_the_cache_is_bounded_and_bad_input_is_still_refused() -> None:
     for i in range(10):
         _pod(_args(f"u{i}", "1", 10), "vendor.io", cache)
     assert len(cache._pods) <= 4
-    with pytest.raises(BadRequest, match="metadata.uid"):
+    with pytest.raises(BadRequest, match=r"metadata\.uid"):
         _pod(_args("", "1", 10), "vendor.io", cache)
 
 

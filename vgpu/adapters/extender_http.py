@@ -26,11 +26,11 @@ import sys
 import threading
 import time
 import uuid
-from http import HTTPStatus
-from json.encoder import encode_basestring_ascii
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from json.encoder import encode_basestring_ascii
 from typing import Any, Protocol, cast
 
 from vgpu.adapters.kube import container_specs
