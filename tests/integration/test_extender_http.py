@@ -289,6 +289,12 @@ def _exchange(port: int, raw: bytes) -> bytes:
             b"GET /healthz HTTP/1.1\r\nHost : x\r\n\r\n", b"400", b"malformed", id="space-name"
         ),
         pytest.param(
+            b"POST /bind HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+            b"400",
+            b"conflicting Content-Length",
+            id="two-lengths",
+        ),
+        pytest.param(
             b"DELETE /filter HTTP/1.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
             b"501",
             b"not supported",

@@ -263,7 +263,11 @@ class _Handler(BaseHTTPRequestHandler):
             if not sep or not name.strip() or name != name.strip():
                 self._send(400, b"malformed header line\n", "text/plain")
                 return
-            headers[name.lower()] = value.strip()
+            key, value = name.lower(), value.strip()
+            if key == "content-length" and headers.get(key, value) != value:
+                self._send(400, b"conflicting Content-Length headers\n", "text/plain")
+                return
+            headers[key] = value
         else:
             self._send(431, f"more than {MAX_HEADERS} headers\n".encode(), "text/plain")
             return
