@@ -174,12 +174,11 @@ def _request(edge: ExtenderHttp, verb: str, args: Json) -> tuple[float, Any]:
     """One request as the edge serves it: body bytes -> JSON -> answer -> body bytes."""
     body = json.dumps(args).encode()
 
-    def serve() -> Any:
-        answer = edge.handle(verb, json.loads(body))
-        json.dumps(answer, separators=(",", ":"))
-        return answer
+    def serve() -> bytes:
+        return edge.handle_bytes(verb, json.loads(body))
 
-    return _timed(serve)
+    seconds, answer = _timed(serve)
+    return seconds, json.loads(answer)
 
 
 def _stats(values: list[float]) -> Json:

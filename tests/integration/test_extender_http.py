@@ -249,6 +249,88 @@ def test_unknown_paths_and_missing_length(ext: Extender) -> None:
     assert status == 200 and b'vgpu_extender_requests_total{outcome="bad_request"' in data
 
 
+def _exchange(port: int, raw: bytes) -> bytes:
+    """Send raw bytes, read until the server closes the connection (or 5 s)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(raw)
+        out = b""
+        try:
+            while chunk := sock.recv(65536):
+                out += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass  # a server closing with unread input resets: what came before counts
+        return out
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "message"),
+    [
+        pytest.param(b"GARBAGE\r\n\r\n", b"400", b"bad request line", id="no-version"),
+        pytest.param(b"GET /healthz HTTP/2.0\r\n\r\n", b"400", b"bad request line", id="http2"),
+        pytest.param(
+            b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", b"414", b"too long", id="long-line"
+        ),
+        pytest.param(
+            b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n",
+            b"431",
+            b"too long",
+            id="long-header",
+        ),
+        pytest.param(
+            b"GET /healthz HTTP/1.1\r\n" + b"X-A: 1\r\n" * 101 + b"\r\n",
+            b"431",
+            b"more than 100 headers",
+            id="many-headers",
+        ),
+        pytest.param(
+            b"GET /healthz HTTP/1.1\r\nno colon here\r\n\r\n", b"400", b"malformed", id="no-colon"
+        ),
+        pytest.param(
+            b"GET /healthz HTTP/1.1\r\nHost : x\r\n\r\n", b"400", b"malformed", id="space-name"
+        ),
+        pytest.param(
+            b"POST /bind HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+            b"400",
+            b"conflicting Content-Length",
+            id="two-lengths",
+        ),
+        pytest.param(
+            b"DELETE /filter HTTP/1.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            b"501",
+            b"not supported",
+            id="method",
+        ),
+    ],
+)
+def test_malformed_http_gets_a_clear_status_and_a_closed_connection(
+    ext: Extender, raw: bytes, status: bytes, message: bytes
+) -> None:
+    answer = _exchange(ext.port, raw)
+    assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
+    assert message in answer and b"\r\nDate: " in answer
+    assert ext.request("GET", "/healthz") == (200, b"ok\n")  # still serving
+
+
+def test_kept_alive_connection_serves_many_requests_each_in_one_answer(ext: Extender) -> None:
+    healthz = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    last = b"GET /healthz HTTP/1.1\r\nhost: x\r\nCONNECTION: Close\r\n\r\n"
+    answer = _exchange(ext.port, healthz * 3 + last)
+    assert answer.count(b"HTTP/1.1 200 OK\r\n") == 4, answer
+    assert answer.count(b"Connection: close") == 1 and answer.endswith(b"ok\n")
+    # HTTP/1.0 without keep-alive: one answer, then the server closes.
+    answer = _exchange(ext.port, b"GET /healthz HTTP/1.0\r\n\r\n" + healthz)
+    assert answer.count(b"HTTP/1.1 200") == 1 and b"Connection: close" in answer
+    # A client that waits for 100 Continue (curl with a large body) gets it.
+    body = json.dumps({"PodName": "x"}).encode()
+    answer = _exchange(
+        ext.port,
+        b"POST /bind HTTP/1.1\r\nExpect: 100-continue\r\nConnection: close\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body,
+    )
+    assert answer.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 400"), answer
+
+
 def test_bind_is_one_binding_carrying_the_assignment(ext: Extender, api: FakeApiServer) -> None:
     pod = api.add_pod(_pod("to-bind", 30, 40, node=None))
     uid = pod["metadata"]["uid"]

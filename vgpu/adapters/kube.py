@@ -9,6 +9,7 @@ except `candidates()`, which reads the in-memory cache.
 from __future__ import annotations
 
 import decimal
+import functools
 import json
 import logging
 import queue
@@ -114,6 +115,18 @@ def parse_units(value: Any) -> tuple[int, str]:
     the kubelet asks for (its Value(): rounded up) and "" when the value is a
     non-negative whole number, else the problem ("not a whole number", ...).
     """
+    if type(value) is str or type(value) is int:
+        # The same few quantities arrive on every watch event and extender call.
+        return _parse_units_cached(value)
+    return _parse_units(value)
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _parse_units_cached(value: str | int) -> tuple[int, str]:
+    return _parse_units(value)
+
+
+def _parse_units(value: Any) -> tuple[int, str]:
     from kubernetes.utils.quantity import parse_quantity
 
     try:

@@ -356,7 +356,33 @@ class KubeBinder:
         # The answer is a Status, not a Binding: never let the client decode it.
         self._call(
             f"binding pod {namespace}/{name} to {node}",
-            lambda: api.create_namespaced_pod_binding(
-                name, namespace, body, _preload_content=False, _request_timeout=self.timeout_s
-            ),
+            lambda: self._post_binding(api, namespace, name, body),
         )
+
+    def _post_binding(self, api: Any, namespace: str, name: str, body: dict[str, Any]) -> Any:
+        """POST the Binding through the client's own request layer (its URL, auth
+        and TLS: ApiClient.param_serialize and call_api), not the generated
+        create_namespaced_pod_binding: that one's per-call argument validation
+        (a pydantic wrapper) and request building cost more than the write
+        itself, on every bind. Clients before the generator that has
+        param_serialize (kubernetes < 33) take the generated method."""
+        client = api.api_client
+        if not hasattr(client, "param_serialize"):
+            return api.create_namespaced_pod_binding(
+                name, namespace, body, _preload_content=False, _request_timeout=self.timeout_s
+            )
+        from kubernetes.client.exceptions import ApiException
+
+        request = client.param_serialize(
+            method="POST",
+            resource_path="/api/v1/namespaces/{namespace}/pods/{name}/binding",
+            path_params={"namespace": namespace, "name": name},
+            header_params={"Accept": "application/json", "Content-Type": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        reply = client.call_api(*request, _request_timeout=self.timeout_s)
+        if not 200 <= reply.status <= 299:
+            reply.read()
+            raise ApiException.from_response(http_resp=reply, body=None, data=None)
+        return reply.response

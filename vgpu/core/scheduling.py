@@ -102,8 +102,8 @@ class _Node:
         self.healthy_count = 0
         self.empty_units: list[int] = []  # memory units of each healthy empty card
         # Answers for this node as it is now, per pod shape: filter verdicts and
-        # prioritize fullness. Cleared on every change of what the node holds.
-        self.memo: dict[tuple[Any, ...], Any] = {}
+        # prioritize scores. Cleared on every change of what the node holds.
+        self.memo: dict[int, Any] = {}  # ClusterBook._memo_key -> answer
         self._profile: tuple[Any, ...] | None = None
 
     @property
@@ -302,7 +302,21 @@ class ClusterBook:
         self._bound: dict[str, set[str]] = {}  # node -> uids of cached pods bound there
         # (pod shape, cards) -> the pod fits no such node even with every card free
         self._never: dict[tuple[Any, ...], bool] = {}
+        # (verb, policy, pod shape) -> a small int naming it in the nodes' memos: a
+        # pod shape is a nested tuple, and hashing it on every node of every
+        # request cost more than the answers it looked up.
+        self._memo_keys: dict[tuple[Any, ...], int] = {}
+        self._last_memo_key = 0
         self._asked: dict[tuple[Any, ...], str] = {}  # (pod shape, unit) -> request text
+
+    def _memo_key(self, question: tuple[Any, ...]) -> int:
+        key = self._memo_keys.get(question)
+        if key is None:
+            if len(self._memo_keys) > 4096:
+                self._memo_keys.clear()  # keys are never reused: old memo entries just miss
+            self._last_memo_key += 1
+            key = self._memo_keys[question] = self._last_memo_key
+        return key
 
     # ------------------------------------------------------------ nodes
 
@@ -453,14 +467,16 @@ class ClusterBook:
 
     def filter(self, specs: Sequence[ContainerSpec], names: Iterable[str]) -> FilterVerdict:
         verdict = FilterVerdict([], {}, {})
-        shape = ("filter", _shape(specs))
+        shape = _shape(specs)
+        key = self._memo_key(("filter", shape))
         kinds = _slices(specs), _single_whole(specs)
+        nodes = self.nodes
         for name in names:
-            node = self.nodes.get(name)
+            node = nodes.get(name)
             if node is None:
                 answer: tuple[str, str] = ("never", f"vgpu: {self._missing()}")
             else:
-                answer = node.memo.get(shape) or self._judge(node, specs, shape, kinds)
+                answer = node.memo.get(key) or self._judge(node, specs, key, shape, kinds)
             if answer[0] == "pass":
                 verdict.passed.append(name)
             elif answer[0] == "never":
@@ -473,6 +489,7 @@ class ClusterBook:
         self,
         node: _Node,
         specs: Sequence[ContainerSpec],
+        key: int,
         shape: tuple[Any, ...],
         kinds: tuple[list[Request] | None, Request | None],
     ) -> tuple[str, str]:
@@ -490,7 +507,7 @@ class ClusterBook:
             else:
                 fits = _greedy(node, slices, node.inventory.policy is Policy.BINPACK) is not None
             if fits:
-                node.memo[shape] = answer
+                node.memo[key] = answer
                 return answer
             no_room = NoRoom("no single card has that much free")
         elif usable and whole is not None:
@@ -499,7 +516,7 @@ class ClusterBook:
             if len(node.empty_units) >= count and whole.memory_units <= count * min(
                 node.empty_units, default=0
             ):
-                node.memo[shape] = answer
+                node.memo[key] = answer
                 return answer
             if len(node.empty_units) < count:
                 no_room = NoRoom(f"only {len(node.empty_units)} card(s) are entirely free")
@@ -510,9 +527,9 @@ class ClusterBook:
         except (NodeUnusable, InvalidRequest) as exc:
             answer = ("never", f"vgpu: {exc.message if isinstance(exc, InvalidRequest) else exc}")
         except NoRoom as exc:
-            reason, never = self._reason(specs, node.name, exc, shape[1])
+            reason, never = self._reason(specs, node.name, exc, shape)
             answer = ("never" if never else "fail", reason)
-        node.memo[shape] = answer
+        node.memo[key] = answer
         return answer
 
     def _missing(self) -> str:
@@ -569,23 +586,29 @@ class ClusterBook:
         self, specs: Sequence[ContainerSpec], names: Iterable[str], policy: Policy
     ) -> list[tuple[str, int]]:
         """Score 0-10: binpack prefers the node and card left fullest, spread the emptiest."""
-        shape = ("prioritize", _shape(specs))
+        key = self._memo_key(("prioritize", policy, _shape(specs)))
         kinds = _slices(specs), _single_whole(specs)
         out = []
+        nodes = self.nodes
         for name in names:
-            node = self.nodes.get(name)
-            fullness = None
-            if node is not None and node.inventory is not None:
-                if shape in node.memo:
-                    fullness = node.memo[shape]
-                else:
-                    fullness = node.memo[shape] = self._fullness_after(node, specs, kinds=kinds)
-            if fullness is None:
+            node = nodes.get(name)
+            if node is None or node.inventory is None:
                 out.append((name, 0))
                 continue
-            score = fullness if policy is Policy.BINPACK else 1.0 - fullness
-            out.append((name, max(0, min(MAX_SCORE, round(score * MAX_SCORE)))))
+            score = node.memo.get(key)
+            if score is None:
+                score = node.memo[key] = self._score(
+                    self._fullness_after(node, specs, kinds=kinds), policy
+                )
+            out.append((name, score))
         return out
+
+    @staticmethod
+    def _score(fullness: float | None, policy: Policy) -> int:
+        if fullness is None:
+            return 0
+        score = fullness if policy is Policy.BINPACK else 1.0 - fullness
+        return max(0, min(MAX_SCORE, round(score * MAX_SCORE)))
 
     def _fullness_after(
         self,

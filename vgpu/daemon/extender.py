@@ -78,10 +78,20 @@ class ExtenderMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        # The labelled children, looked up once (labels() takes a lock and
+        # builds a key on every call, on every request).
+        self._requests: dict[tuple[str, str], Counter] = {}
+        self._durations: dict[str, Histogram] = {}
 
     def observe(self, verb: str, seconds: float, outcome: str) -> None:
-        self.requests.labels(verb, outcome).inc()
-        self.duration.labels(verb).observe(seconds)
+        counter = self._requests.get((verb, outcome))
+        if counter is None:
+            counter = self._requests[verb, outcome] = self.requests.labels(verb, outcome)
+        histogram = self._durations.get(verb)
+        if histogram is None:
+            histogram = self._durations[verb] = self.duration.labels(verb)
+        counter.inc()
+        histogram.observe(seconds)
 
     def event(self, kind: str) -> None:
         self.binds.labels(kind).inc()

@@ -1,0 +1,106 @@
+"""The extender's HTTP edge without a socket: it decodes a pod once per (uid,
+resourceVersion) (kube-scheduler sends the same pod to filter, then to
+prioritize; a changed pod, a pod without one, or a different pod is decoded
+afresh), and its directly written HostPriorityList is the JSON json.dumps
+would write."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from vgpu.adapters.extender_http import (
+    BadRequest,
+    BindRequest,
+    ExtenderHttp,
+    PodRequest,
+    _pod,
+    _PodCache,
+)
+from vgpu.core.scheduling import FilterVerdict
+
+CORE, MEM = "vendor.io/vcuda-core", "vendor.io/vcuda-memory"
+
+
+def _args(uid: str, version: str | None, core: int, name: str = "p") -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": "default", "uid": uid}
+    if version is not None:
+        meta["resourceVersion"] = version
+    limits = {CORE: str(core), MEM: "4"}
+    spec = {"containers": [{"name": "main", "resources": {"limits": limits}}]}
+    return {"Pod": {"metadata": meta, "spec": spec}}
+
+
+def _core(args: dict[str, Any], cache: _PodCache) -> int:
+    return _pod(args, "vendor.io", cache).specs[0].request.core_percent
+
+
+def test_same_uid_and_version_is_decoded_once() -> None:
+    cache = _PodCache()
+    first = _pod(_args("u1", "7", 30), "vendor.io", cache)
+    assert _pod(_args("u1", "7", 30), "vendor.io", cache) is first
+
+
+@pytest.mark.parametrize(
+    ("second", "core"),
+    [
+        pytest.param(_args("u1", "8", 60), 60, id="new-resource-version"),
+        pytest.param(_args("u2", "7", 60), 60, id="other-uid"),
+        pytest.param(_args("u1", None, 60), 60, id="no-resource-version"),
+        pytest.param(_args("u1", "7", 60, name="q"), 60, id="other-name-same-key"),
+    ],
+)
+def test_a_different_pod_is_decoded_afresh(second: dict[str, Any], core: int) -> None:
+    cache = _PodCache()
+    assert _core(_args("u1", "7", 30), cache) == 30
+    assert _core(second, cache) == core
+
+
+def test_the_cache_is_bounded_and_bad_input_is_still_refused() -> None:
+    cache = _PodCache(size=4)
+    for i in range(10):
+        _pod(_args(f"u{i}", "1", 10), "vendor.io", cache)
+    assert len(cache._pods) <= 4
+    with pytest.raises(BadRequest, match=r"metadata\.uid"):
+        _pod(_args("", "1", 10), "vendor.io", cache)
+
+
+class _Scores:
+    """A port that scores each node by its position."""
+
+    def __init__(self) -> None:
+        self.pods: list[PodRequest] = []
+
+    def filter(self, pod: PodRequest, nodes: Sequence[str]) -> FilterVerdict | str:
+        return FilterVerdict(list(nodes), {}, {})
+
+    def prioritize(self, pod: PodRequest, nodes: Sequence[str]) -> list[tuple[str, int]]:
+        self.pods.append(pod)
+        return [(n, i % 11) for i, n in enumerate(nodes)]
+
+    def bind(self, request: BindRequest) -> str:
+        return ""
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_the_written_host_priority_list_is_what_json_dumps_writes() -> None:
+    port = _Scores()
+    edge = ExtenderHttp(port, "vendor.io", "127.0.0.1:0")
+    try:
+        names = ["node-a", 'we"ird\\name', "nöde-ü", "\u2603", ""]
+        args = {**_args("u1", "3", 30), "NodeNames": names}
+        body = edge.handle_bytes("prioritize", args)
+        expected = [{"Host": n, "Score": i % 11} for i, n in enumerate(names)]
+        assert body == json.dumps(expected, separators=(",", ":")).encode()
+        assert json.loads(body) == expected
+        edge.handle_bytes("prioritize", args)
+        assert port.pods[0] is port.pods[1]  # decoded once
+        with pytest.raises(BadRequest, match="NodeNames"):
+            edge.handle_bytes("prioritize", {**args, "NodeNames": [1]})
+    finally:
+        edge.close()
