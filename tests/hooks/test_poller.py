@@ -45,6 +45,7 @@ def test_two_processes_of_one_container_share_one_poller_and_its_limit(
     # traces go to files: a full stderr pipe would stall a process mid-launch
     logs = [tmp_path / f"err{i}" for i in range(2)]
     procs = []
+    started = time.monotonic()
     for log in logs:
         with open(log, "w") as f:
             procs.append(
@@ -61,11 +62,20 @@ def test_two_processes_of_one_container_share_one_poller_and_its_limit(
         out, _ = p.communicate(timeout=60)
         assert p.returncode == 0
         shares.append(float(json.loads(out.splitlines()[-1])["share"]))
+    wall_s = time.monotonic() - started
     errs = [log.read_text() for log in logs]
     pollers = [e.count(POLLS) for e in errs]
-    print(f"shares {shares}, poller lines per process {pollers}")
-    assert sorted(pollers) == [0, 1], pollers  # one queries NVML, the other reads it
-    assert _poll_seq(shared / budget.FILE_NAME) > 20  # published every 50 ms for 4 s
+    seq = _poll_seq(shared / budget.FILE_NAME)
+    print(
+        f"shares {shares}, poller lines per process {pollers}, {seq} poll sequence in {wall_s:.1f} s"
+    )
+    # One queries NVML and the other reads it; the other takes over only once the
+    # first has exited (it finished first), so each says it once at most.
+    assert 1 <= sum(pollers) and max(pollers) == 1, pollers
+    # A seqlock: +2 per publication, one every 50 ms by one poller at a time (two
+    # pollers at once would double it).
+    publications = seq / 2
+    assert 20 < publications <= 1.25 * wall_s / 0.05 + 5, (seq, wall_s)
     # together they hold the container's 40 % (a starved box only lowers them)
     assert 0.25 <= sum(shares) <= 0.5, shares
 
