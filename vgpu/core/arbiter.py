@@ -187,6 +187,28 @@ def _parse_percent(text: str) -> int | None:
     return int(text)
 
 
+def check_cap(label: str, raw: object, guarantee_percent: int, holder: str) -> int | str:
+    """A cap value as written (an int, or text with an optional trailing %): the
+    whole percent, or a problem naming `label` and the fix. It must lie between
+    the `holder`'s guarantee and 100."""
+    value: int | None = None
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        value = raw
+    elif isinstance(raw, str) and len(raw) <= 16:
+        value = _parse_percent(raw)
+    if value is None:
+        return (
+            f"{label}={str(raw)[:32]!r} is not a whole percent; ignored "
+            f"(write a number from {guarantee_percent} to 100)"
+        )
+    if not guarantee_percent <= value <= 100:
+        return (
+            f"{label}={value} is outside {guarantee_percent}-100 (the {holder}'s "
+            "guarantee to the whole card); ignored"
+        )
+    return value
+
+
 def burst_cap(
     annotations: Mapping[str, str],
     domain: str,
@@ -204,18 +226,9 @@ def burst_cap(
         raw = annotations.get(key)
         if raw is None:
             continue
-        value = _parse_percent(raw) if len(raw) <= 16 else None
-        if value is None:
-            problems.append(
-                f"annotation {key}={raw[:32]!r} is not a whole percent; ignored "
-                f"(write a number from {guarantee_percent} to 100)"
-            )
+        checked = check_cap(f"annotation {key}", raw, guarantee_percent, "container")
+        if isinstance(checked, str):
+            problems.append(checked)
             continue
-        if not guarantee_percent <= value <= 100:
-            problems.append(
-                f"annotation {key}={value} is outside {guarantee_percent}-100 (the container's "
-                f"guarantee to the whole card); ignored"
-            )
-            continue
-        return CapChoice(value, tuple(problems))
+        return CapChoice(checked, tuple(problems))
     return CapChoice(default_core_cap(guarantee_percent, default_percent), tuple(problems))

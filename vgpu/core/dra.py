@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from vgpu.core.arbiter import CapChoice, _parse_percent, default_core_cap
+from vgpu.core.arbiter import CapChoice, check_cap, default_core_cap
 from vgpu.core.errors import InvalidRequest, UnknownDevice
 from vgpu.core.model import CORE_UNITS_PER_CARD, Card
 
@@ -586,25 +586,13 @@ def claim_core_limit(
             continue
         if CORE_LIMIT not in params:
             continue
-        raw = params[CORE_LIMIT]
-        value: int | None = None
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            value = raw
-        elif isinstance(raw, str) and len(raw) <= 16:
-            value = _parse_percent(raw)
-        if value is None:
-            problems.append(
-                f"{where}: {CORE_LIMIT}={str(raw)[:32]!r} is not a whole percent; ignored "
-                f"(write a number from {guarantee_percent} to 100)"
-            )
+        checked = check_cap(
+            f"{where}: {CORE_LIMIT}", params[CORE_LIMIT], guarantee_percent, "request"
+        )
+        if isinstance(checked, str):
+            problems.append(checked)
             continue
-        if not guarantee_percent <= value <= 100:
-            problems.append(
-                f"{where}: {CORE_LIMIT}={value} is outside {guarantee_percent}-100 (the "
-                "request's guarantee to the whole card); ignored"
-            )
-            continue
-        chosen = value
+        chosen = checked
     if chosen is not None:
         return CapChoice(chosen, tuple(problems))
     return CapChoice(default_core_cap(guarantee_percent, default_percent), tuple(problems))
