@@ -31,6 +31,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench.common import Json, Target, ms, percentile
 from vgpu.adapters.gpus import preset_cards
 from vgpu.adapters.kubelet.servicer import DeviceView, device_list_message
@@ -302,6 +304,11 @@ def _ready(port: int) -> bool:
         conn.close()
 
 
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
 def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json:
     rng = random.Random(5)
     shapes = [rng.choice(SHAPES) for _ in range(pods)]
@@ -322,13 +329,16 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
         bind_workers=16,
     )
     baseline.start()
+    me = psutil.Process()
     try:
+        cpu0 = _cpu_s(me)
         base_s, base_bound = _run_stream(
             base_api,
             baseline,
             [_pod(f"b-{i:05d}", "default-scheduler", *s) for i, s in enumerate(shapes)],
             limit_s,
         )
+        base_cpu_s = _cpu_s(me) - cpu0
     finally:
         baseline.stop()
         base_api.stop()
@@ -353,12 +363,15 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
             api, f"http://127.0.0.1:{port}", managed_resources=(CORE, MEM), bind_workers=16
         )
         scheduler.start()
+        ext = psutil.Process(proc.pid)
+        cpu0, ext0 = _cpu_s(me), _cpu_s(ext)
         vgpu_s, vgpu_bound = _run_stream(
             api,
             scheduler,
             [_pod(f"v-{i:05d}", "vgpu-scheduler", *s) for i, s in enumerate(shapes)],
             limit_s,
         )
+        bench_cpu_s, ext_cpu_s = _cpu_s(me) - cpu0, _cpu_s(ext) - ext0
         # A Job-sized burst of identical pods into the same (now busier) cluster.
         burst_s, burst_bound = _run_stream(
             api,
@@ -400,6 +413,13 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
             "pods_per_s": round(vgpu_rate, 1),
         },
         "ratio": ratio,
+        # CPU (user + system) per pod bound during each stream: on a shared
+        # box the rates swing with load, these much less.
+        "cpu_ms_per_pod": {
+            "baseline": round(1000 * base_cpu_s / max(base_bound, 1), 2),
+            "bench_with_extender": round(1000 * bench_cpu_s / max(vgpu_bound, 1), 2),
+            "extender": round(1000 * ext_cpu_s / max(vgpu_bound, 1), 2),
+        },
         "burst": {"pods": BURST, "bound": burst_bound, "seconds": round(burst_s, 2)},
         "scheduler_calls": calls,
         "bind_errors": len(errors),

@@ -200,6 +200,30 @@ def test_assumption_holds_room_until_the_cache_shows_the_pod_bound() -> None:
     assert core_used(b, "n") == [0]
 
 
+def test_the_echo_of_our_own_bind_keeps_the_assumed_holds_and_a_differing_one_is_replaced() -> None:
+    b = book("n", n=2)
+    p = pod((60, 10))
+    b.set_pod(p)
+    plan = b.plan(p.specs, "n")
+    b.assume(p.uid, "n", p.specs, plan)
+    holds = b.nodes["n"].holds[p.uid]
+    b.nodes["n"].memo[1] = "kept"  # an answer computed with the assumption counted
+    b.set_pod(replace(p, node="n", assignment=Assignment("n", dict(plan.cards))))
+    # Confirmed as it was assumed: the same holds object, the node's memo still valid.
+    assert p.uid not in b.assumed and b.nodes["n"].holds[p.uid] is holds
+    assert b.nodes["n"].memo == {1: "kept"} and core_used(b, "n") == [60, 0]
+    # The node placed another pod's container on a card other than the assumed one:
+    # the assumption is dropped and the pod counted where the node says.
+    q = pod((30, 10))
+    b.set_pod(q)
+    qplan = b.plan(q.specs, "n")
+    b.assume(q.uid, "n", q.specs, qplan)
+    assert qplan.cards == {"c0": (uuid(0),)}  # binpack: next to p
+    b.set_pod(replace(q, node="n", placements={"c0": (uuid(1),)}))
+    assert q.uid not in b.assumed and b.nodes["n"].cards_of[q.uid] == {"c0": (uuid(1),)}
+    assert core_used(b, "n") == [60, 30]
+
+
 def test_a_failed_bind_gives_the_room_back() -> None:
     b = book("n", n=1)
     p = pod((60, 10))

@@ -381,8 +381,52 @@ class KubeBinder:
             body=body,
             auth_settings=["BearerToken"],
         )
-        reply = client.call_api(*request, _request_timeout=self.timeout_s)
-        if not 200 <= reply.status <= 299:
-            reply.read()
-            raise ApiException.from_response(http_resp=reply, body=None, data=None)
-        return reply.response
+        pool = self._pool(client)
+        if pool is None:
+            reply = client.call_api(*request, _request_timeout=self.timeout_s)
+            if not 200 <= reply.status <= 299:
+                reply.read()
+                raise ApiException.from_response(http_resp=reply, body=None, data=None)
+            return reply.response
+        from kubernetes.client.rest import RESTResponse
+
+        method, url, headers, payload = request[:4]
+        base = self._pool_base
+        response = pool.urlopen(
+            method,
+            url[len(base) :] if url.startswith(base) else url,
+            body=json.dumps(payload),
+            headers=headers,
+            timeout=self._timeout,
+            preload_content=False,
+            redirect=False,
+            assert_same_host=False,
+        )
+        if not 200 <= response.status <= 299:
+            wrapped = RESTResponse(response)
+            wrapped.read()
+            raise ApiException.from_response(http_resp=wrapped, body=None, data=None)
+        return response
+
+    _pool_base = ""
+    _pool_of: Any = None
+    _timeout: Any = None
+
+    def _pool(self, client: Any) -> Any:
+        """The client's own urllib3 connection pool for its API server (its TLS
+        settings and keep-alive connections), looked up once: each bind then
+        skips the client's REST wrapper and urllib3's PoolManager URL parsing
+        and pool lookup (~0.3 ms per bind); a pool the manager closed is looked
+        up again. None where the client goes through
+        a proxy (a ProxyManager): then the client's call_api does it all."""
+        import urllib3
+
+        manager = getattr(getattr(client, "rest_client", None), "pool_manager", None)
+        if type(manager) is not urllib3.PoolManager:
+            return None
+        base = str(client.configuration.host).rstrip("/")
+        if self._pool_of is None or self._pool_base != base or self._pool_of.pool is None:
+            self._pool_of = manager.connection_from_url(base)
+            self._pool_base = base
+            self._timeout = urllib3.Timeout(total=self.timeout_s)
+        return self._pool_of

@@ -372,6 +372,8 @@ class ClusterBook:
         if pod.node:
             self._bound.setdefault(pod.node, set()).add(pod.uid)
         if pod.node and pod.uid in self.assumed:
+            if self._confirm_assumption(pod):
+                return
             self._drop_assumption(pod.uid)
         if pod.uid not in self.assumed:
             self._place(pod.uid)
@@ -438,6 +440,26 @@ class ClusterBook:
         if uid in self.assumed:
             self._drop_assumption(uid)
             self._place(uid)
+
+    def _confirm_assumption(self, pod: PodInfo) -> bool:
+        """The cache shows our own bind: where it landed exactly as assumed (same
+        node, specs and cards), the assumption's holds become the pod's placement
+        as they are, without taking them off the node and placing them again
+        (which would give the same holds, and clear the node's memo twice)."""
+        uid = pod.uid
+        node = self.nodes.get(pod.node)
+        if (
+            self.assumed.get(uid) != pod.node
+            or self._placed_on.get(uid) != pod.node
+            or node is None
+            or node.inventory is None
+            or self._assumed_specs.get(uid) != pod.specs
+            or node.cards_of.get(uid) != pod.cards_known()
+        ):
+            return False
+        del self.assumed[uid]
+        del self._assumed_specs[uid]
+        return True
 
     def _drop_assumption(self, uid: str) -> None:
         if self.assumed.pop(uid, None) is not None:

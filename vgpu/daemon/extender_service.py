@@ -171,12 +171,15 @@ class ExtenderService:
             log.warning("bind of %s to %s failed: %s", who, request.node, exc)
             return f"vgpu: binding {who} to {request.node} failed: {exc}"
         self.events("bound")
-        log.info(
-            "bound %s to %s: %s",
-            who,
-            request.node,
-            ", ".join(f"{c} -> {','.join(cards)}" for c, cards in sorted(plan.cards.items())),
-        )
+        # One line per pod at debug: at hundreds of binds a second, info would
+        # be mostly this line (vgpu_extender_binds{outcome="bound"} counts them).
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "bound %s to %s: %s",
+                who,
+                request.node,
+                ", ".join(f"{c} -> {','.join(cards)}" for c, cards in sorted(plan.cards.items())),
+            )
         return ""
 
     # ----------------------------------------------------------- views
