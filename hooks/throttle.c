@@ -34,8 +34,8 @@
 #include "vgpu.h"
 
 #define CONTROL_NS 50000000ll /* control period */
-#define MIN_WAIT_NS 200000ll /* shortest sleep of a launch waiting for tokens */
-#define MAX_WAIT_NS 5000000ll /* longest one (the rate or the engagement may change) */
+#define MIN_WAIT_NS 2500000ll /* shortest sleep of a launch waiting for tokens (fewer wake-ups) */
+#define MAX_WAIT_NS 10000000ll /* longest one (the rate or the engagement may change) */
 #define RATE_SHIFT 20        /* rate: tokens per ns of real time, fixed point */
 #define BURST_NS 20000000ll  /* the bucket holds 20 ms worth of the allowed rate */
 #define MAX_SAMPLES 512
