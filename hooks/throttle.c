@@ -1,10 +1,14 @@
 /*
  * Compute limit: a token bucket of GPU time in front of every kernel launch.
  *
- * Tokens are nanoseconds of GPU time.  A background thread refills the
- * bucket every REFILL_NS at `limit x gain` of real time and, every
- * CONTROL_NS, reads SM utilisation from NVML for the container's own
- * processes (by their host pids, which NVML reports):
+ * Tokens are nanoseconds of GPU time, earned at `limit x gain` of real time.
+ * The bucket is refilled lazily: a launch that finds it empty credits the time
+ * elapsed since the last refill and, if that is not enough, sleeps for as long
+ * as the debt takes to earn back; nothing wakes periodically to refill (in a
+ * container of hundreds of processes, hundreds of threads ticking every few
+ * milliseconds would slow everyone's start-up).  A background thread, every
+ * control period (50 ms), reads SM utilisation from NVML for the container's
+ * own processes (by their host pids, which NVML reports):
  *  - each launch costs its estimated GPU time: a kernel the mean measured
  *    over the last period (this process's busy time / its launches), a graph
  *    launch its own measured duration (CUDA events around a sample of its
@@ -29,8 +33,10 @@
 
 #include "vgpu.h"
 
-#define REFILL_NS 5000000ll  /* 5 ms */
-#define CONTROL_EVERY 10     /* refills: control period 50 ms */
+#define CONTROL_NS 50000000ll /* control period */
+#define MIN_WAIT_NS 2500000ll /* shortest sleep of a launch waiting for tokens (fewer wake-ups) */
+#define MAX_WAIT_NS 10000000ll /* longest one (the rate or the engagement may change) */
+#define RATE_SHIFT 20        /* rate: tokens per ns of real time, fixed point */
 #define BURST_NS 20000000ll  /* the bucket holds 20 ms worth of the allowed rate */
 #define MAX_SAMPLES 512
 #define MAX_GRAPHS 64
@@ -48,6 +54,8 @@ static struct {
 static int state = OFF_UNKNOWN;
 static int engaged;               /* the bucket is in force */
 static long long tokens;          /* ns of GPU time; negative = debt */
+static long long refilled_at;     /* CLOCK_MONOTONIC ns the tokens were credited up to */
+static long long rate_fp;         /* limit x gain, << RATE_SHIFT; 0: not engaged yet */
 static long long kernel_cost_ns = 100000; /* estimate per kernel launch */
 static unsigned long long kernel_launches;
 static long long graph_ns;        /* GPU time charged to graph launches this period */
@@ -80,6 +88,36 @@ static long long now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec * 1000000000ll + ts.tv_nsec;
+}
+
+/*
+ * Credits the tokens earned since the last refill (at most a full bucket's
+ * worth, BURST_NS of the rate).  Any thread may call it; the one whose
+ * compare-and-swap moves `refilled_at` credits that interval, so no time is
+ * counted twice.
+ */
+static void refill(long long t)
+{
+    long long last = __atomic_load_n(&refilled_at, __ATOMIC_ACQUIRE);
+    if (t <= last ||
+        !__atomic_compare_exchange_n(&refilled_at, &last, t, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return;
+    long long rate = __atomic_load_n(&rate_fp, __ATOMIC_RELAXED), elapsed = t - last;
+    elapsed = elapsed < BURST_NS ? elapsed : BURST_NS;
+    long long add = (elapsed * rate) >> RATE_SHIFT, cap = (BURST_NS * rate) >> RATE_SHIFT;
+    long long cur = __atomic_load_n(&tokens, __ATOMIC_RELAXED);
+    if (cur + add > cap)
+        add = cap > cur ? cap - cur : 0;
+    if (add)
+        __atomic_fetch_add(&tokens, add, __ATOMIC_RELEASE);
+}
+
+/* The rate in force from now on (the time until now is credited at the old one). */
+static void set_rate(double limit, double gain)
+{
+    refill(now_ns());
+    double r = limit / 100 * gain * (double)(1ll << RATE_SHIFT);
+    __atomic_store_n(&rate_fp, (long long)(r > 1 ? r : 1), __ATOMIC_RELEASE);
 }
 
 static int nvml_devices(void)
@@ -325,7 +363,7 @@ static void *controller(void *arg)
     (void)arg;
     double limit = current_limit(), gain = 1;
     unsigned long long seen = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED), waits_seen = 0;
-    long long since = now_ns(), refilled_at = since;
+    long long since = now_ns();
     int unsupported = 0;
     /* A window of WINDOW control periods: utilisation averaged over it
      * steers the gain and the kernel cost estimate. */
@@ -335,18 +373,12 @@ static void *controller(void *arg)
         unsigned long long launches;
         int periods;
     } w = {0, 0, 0, 0, 0, 0};
-    for (unsigned long tick = 1;; tick++) {
-        if (!__atomic_load_n(&engaged, __ATOMIC_ACQUIRE) && tick % CONTROL_EVERY) {
-            /* Nothing to refill: sleep to the next control period (hundreds
-             * of processes must not each wake every 5 ms for nothing). */
-            unsigned long skip = CONTROL_EVERY - tick % CONTROL_EVERY;
-            sleep_ns((long long)(skip + 1) * REFILL_NS);
-            tick += skip;
-        } else {
-            sleep_ns(REFILL_NS);
-        }
-        if (tick % CONTROL_EVERY == 0) {
+    for (;;) {
+        sleep_ns(CONTROL_NS); /* launches refill the bucket themselves */
+        {
             limit = current_limit();
+            if (__atomic_load_n(&engaged, __ATOMIC_ACQUIRE))
+                set_rate(limit, gain); /* the arbiter's share moves every period */
             long long t = now_ns(), dt = t - since;
             unsigned long long count = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
             w.launches += count - seen;
@@ -388,7 +420,10 @@ static void *controller(void *arg)
                 if (k > 1000)
                     __atomic_store_n(&kernel_cost_ns, k, __ATOMIC_RELAXED);
                 gain = 1;
+                __atomic_store_n(&rate_fp, 0, __ATOMIC_RELAXED);
+                __atomic_store_n(&refilled_at, now_ns(), __ATOMIC_RELEASE);
                 __atomic_store_n(&tokens, 0, __ATOMIC_RELAXED);
+                set_rate(limit, gain);
                 __atomic_store_n(&engaged, 1, __ATOMIC_RELEASE);
                 VGPU_TRACE("throttle engaged: utilisation %.1f%% > %d%%, kernel cost %lld ns",
                            u.container, vgpu_cfg.core_percent,
@@ -419,8 +454,10 @@ static void *controller(void *arg)
                 /* Raise the gain only when the bucket held launches back: below
                  * the limit for another reason (neighbours on the card, the
                  * program itself) a raise would wind up and overshoot later. */
-                if (step < 1 || waits != waits_seen)
+                if (step < 1 || waits != waits_seen) {
                     gain = clamp(gain * step, 0.02, 50);
+                    set_rate(limit, gain);
+                }
                 waits_seen = waits;
                 if (util < limit && (double)spent * 4 < allowed &&
                     __atomic_load_n(&tokens, __ATOMIC_RELAXED) >= 0) {
@@ -436,21 +473,6 @@ static void *controller(void *arg)
             w.launches = 0;
             w.periods = 0;
         }
-        long long t_refill = now_ns(), elapsed = t_refill - refilled_at;
-        refilled_at = t_refill;
-        if (!__atomic_load_n(&engaged, __ATOMIC_ACQUIRE))
-            continue;
-        /* By the time that really passed: on a loaded CPU this thread wakes
-         * late, and a fixed amount per tick would starve the bucket (the gain
-         * then makes up for it and overshoots once the CPU is back). */
-        if (elapsed < REFILL_NS / 2 || elapsed > BURST_NS)
-            elapsed = elapsed < REFILL_NS / 2 ? REFILL_NS / 2 : BURST_NS;
-        long long add = (long long)(limit / 100 * gain * (double)elapsed),
-                  cap = (long long)(limit / 100 * gain * BURST_NS);
-        long long cur = __atomic_load_n(&tokens, __ATOMIC_RELAXED);
-        if (cur + add > cap)
-            add = cap > cur ? cap - cur : 0;
-        __atomic_fetch_add(&tokens, add, __ATOMIC_RELEASE);
     }
     return NULL;
 }
@@ -499,18 +521,30 @@ static inline void wait_tokens(long long cost)
         return;
     long long waited = 0;
     while (__atomic_load_n(&engaged, __ATOMIC_ACQUIRE)) {
-        if (waited == REFILL_NS / 2) {
-            vgpu_budget_note_wait();
-            __atomic_fetch_add(&bucket_waits, 1, __ATOMIC_RELAXED);
+        long long have = __atomic_load_n(&tokens, __ATOMIC_ACQUIRE);
+        if (have <= 0) { /* empty: credit the time since the last refill */
+            refill(now_ns());
+            have = __atomic_load_n(&tokens, __ATOMIC_ACQUIRE);
         }
-        if (__atomic_load_n(&tokens, __ATOMIC_ACQUIRE) > 0) {
+        if (have > 0) {
             __atomic_fetch_sub(&tokens,
                                cost ? cost : __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED),
                                __ATOMIC_ACQ_REL);
             break;
         }
-        sleep_ns(REFILL_NS / 2);
-        waited += REFILL_NS / 2;
+        if (!waited) {
+            vgpu_budget_note_wait();
+            __atomic_fetch_add(&bucket_waits, 1, __ATOMIC_RELAXED);
+        }
+        /* Sleep until the debt is earned back (bounded: the rate may change). */
+        long long rate = __atomic_load_n(&rate_fp, __ATOMIC_RELAXED);
+        double need = rate > 0 ? (double)(1 - have) * (double)(1ll << RATE_SHIFT) / (double)rate
+                               : (double)MAX_WAIT_NS;
+        long long ns = need < (double)MIN_WAIT_NS   ? MIN_WAIT_NS
+                       : need > (double)MAX_WAIT_NS ? MAX_WAIT_NS
+                                                    : (long long)need + 1;
+        sleep_ns(ns);
+        waited += ns;
     }
     VGPU_TRACE("launch waited %lld us for tokens", waited / 1000);
 }
@@ -611,6 +645,7 @@ void vgpu_throttle_after_fork(void)
     if (state == RUNNING)
         state = OFF_UNKNOWN;
     engaged = 0;
+    rate_fp = 0;
     memset(&arb, 0, sizeof(arb));
     memset(&followed, 0, sizeof(followed));
 }
