@@ -471,3 +471,31 @@ def test_store_helpers() -> None:
         server.delete_pod("default", "a")
     assert server.url.startswith("http://127.0.0.1:")
     server.stop()  # never started: a no-op
+
+
+def test_pods_view_shares_stored_pods_that_writes_never_change() -> None:
+    """The scheduler stand-in reads pods_view() without copies, as kube-scheduler
+    reads its informer cache: that holds only while every write, through the
+    API or the helpers, stores a new object instead of changing the old one."""
+    with FakeApiServer() as server:
+        server.add_pod(make_pod("a", node=None))
+        before = server.pods_view()
+        snapshot = [dict(p["metadata"]) for p in before]
+        v1 = client.CoreV1Api(client.ApiClient(client.Configuration(host=server.url)))
+        v1.create_namespaced_pod_binding(
+            "a",
+            "default",
+            client.V1Binding(
+                metadata=client.V1ObjectMeta(name="a", annotations={"x": "1"}),
+                target=client.V1ObjectReference(kind="Node", name="n"),
+            ),
+            _preload_content=False,
+        )
+        v1.patch_namespaced_pod("a", "default", {"metadata": {"labels": {"l": "v"}}})
+        server.set_pod_phase("default", "a", "Running")
+        assert [dict(p["metadata"]) for p in before] == snapshot
+        assert "nodeName" not in before[0]["spec"]
+        after = server.pods_view()[0]
+        assert after is not before[0]
+        assert after["spec"]["nodeName"] == "n" and after["metadata"]["annotations"] == {"x": "1"}
+        assert after["metadata"]["labels"] == {"l": "v"} and after["status"]["phase"] == "Running"

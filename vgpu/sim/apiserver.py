@@ -755,6 +755,14 @@ class FakeApiServer:
     def pods(self) -> list[dict[str, Any]]:
         return self._list("pods")
 
+    def pods_view(self) -> list[dict[str, Any]]:
+        """The stored pods themselves, not copies: shared and read-only, as an
+        informer's cache hands them out to kube-scheduler. Safe because every
+        write stores a new object (copy on write) instead of changing one in
+        place; a caller must never change what it gets."""
+        with self._cond:
+            return [o for _, o in sorted(self._store["pods"].items())]
+
     def add_node(self, node: dict[str, Any]) -> dict[str, Any]:
         """Store a node (emits ADDED) and return the stored copy."""
         return self._add("nodes", node)

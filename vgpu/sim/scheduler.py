@@ -222,7 +222,10 @@ class SchedulerStandIn:
             queue = []
             # One snapshot per pass, as kube-scheduler schedules from its cache:
             # the node list and what bound pods use (assumed pods are added per pod).
-            pods = self.api.pods()
+            # The pods are shared, read-only views, as an informer's cache gives:
+            # deep copies of every pod on each pass made this loop's pace swing
+            # with the machine's load.
+            pods = self.api.pods_view()
             nodes = [n for n in self.api.nodes() if not (n.get("spec") or {}).get("unschedulable")]
             used = self._bound_usage(pods)
             for pod in pods:
@@ -317,7 +320,7 @@ class SchedulerStandIn:
         Returns the feasible nodes and the reasons of those that failed."""
         wanted = sorted((r, n) for r, n in self._requests(pod).items() if n)
         if bound_used is None:
-            bound_used = self._bound_usage(self.api.pods())
+            bound_used = self._bound_usage(self.api.pods_view())
         total = len(nodes)
         to_find = num_feasible_nodes_to_find(total, self.percentage_of_nodes_to_score)
         start = self._next_start_node_index % total if total else 0
