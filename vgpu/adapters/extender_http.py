@@ -386,6 +386,10 @@ def _date() -> str:
     return _date_cache[1]
 
 
+def _json_bytes(answer: Any) -> bytes:
+    return json.dumps(answer, separators=(",", ":")).encode()
+
+
 class _TooLarge(Exception):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
@@ -439,12 +443,14 @@ class ExtenderHttp:
     # ------------------------------------------------------------ verbs
 
     def handle_bytes(self, verb: str, args: dict[str, Any]) -> bytes:
-        """One request's JSON -> the answer's body. A HostPriorityList is written
-        directly (a list of one-key-pair objects per node was the costliest part
-        of encoding it); the rest through json.dumps."""
+        """One request's JSON -> the answer's body (BadRequest for malformed input).
+        A HostPriorityList is written directly (a list of one-key-pair objects per
+        node was the costliest part of encoding it); the rest through json.dumps."""
+        if verb == "bind":
+            return _json_bytes({"Error": self.port.bind(_bind_args(args))})
+        pod = _pod(args, self.domain, self.pods)
+        names, objects = _nodes(args)
         if verb == "prioritize":
-            pod = _pod(args, self.domain, self.pods)
-            names, _ = _nodes(args)
             quote = encode_basestring_ascii  # what json.dumps uses
             return (
                 "["
@@ -454,16 +460,11 @@ class ExtenderHttp:
                 )
                 + "]"
             ).encode()
-        return json.dumps(self.handle(verb, args), separators=(",", ":")).encode()
+        return _json_bytes(self._filter_answer(pod, names, objects))
 
-    def handle(self, verb: str, args: dict[str, Any]) -> Any:
-        """One request's JSON -> the answer's JSON (BadRequest for malformed input)."""
-        if verb == "bind":
-            return {"Error": self.port.bind(_bind_args(args))}
-        pod = _pod(args, self.domain, self.pods)
-        names, objects = _nodes(args)
-        if verb == "prioritize":
-            return [{"Host": h, "Score": s} for h, s in self.port.prioritize(pod, names)]
+    def _filter_answer(
+        self, pod: PodRequest, names: list[str], objects: dict[str, Any] | None
+    ) -> dict[str, Any]:
         verdict = self.port.filter(pod, names)
         if isinstance(verdict, str):
             return {
