@@ -85,13 +85,6 @@ static int file_stat(int fd, struct stat *st)
     return (int)syscall(SYS_fstat, fd, st);
 }
 
-static long long now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1000000000ll + ts.tv_nsec;
-}
-
 /* ---- the budget lock (a futex word in the file) ---- */
 
 static uint32_t my_lock_id(void)
@@ -114,7 +107,7 @@ static void rebuild_totals(struct vgpu_shared *s)
 static void lock_slow(struct vgpu_shared *s, uint32_t me)
 {
     static int logged;
-    long long check_at = now_ns() + DEAD_CHECK_NS;
+    long long check_at = vgpu_now_ns() + DEAD_CHECK_NS;
     for (int spin = 0;; spin++) {
         uint32_t v = __atomic_load_n(&s->lock, __ATOMIC_RELAXED);
         if (v == 0) { /* keep the waiters bit: others may still sleep */
@@ -135,9 +128,9 @@ static void lock_slow(struct vgpu_shared *s, uint32_t me)
         }
         struct timespec ts = {0, WAIT_NS};
         syscall(SYS_futex, &s->lock, FUTEX_WAIT, v, &ts, NULL, 0);
-        if (now_ns() < check_at)
+        if (vgpu_now_ns() < check_at)
             continue;
-        check_at = now_ns() + DEAD_CHECK_NS;
+        check_at = vgpu_now_ns() + DEAD_CHECK_NS;
         uint32_t owner = v & ~VGPU_LOCK_WAITERS;
         /* An owner without a slot (over 1024 processes) holds the slotless
          * OFD byte while it owns the lock: free byte, dead owner. */
@@ -612,6 +605,18 @@ void vgpu_budget_note_wait(void)
 
 /* ---- the container's utilisation poller (vgpu_shared.h) ---- */
 
+/* A percent as the file keeps it: 1/100 %, clamped to 0-10000. */
+static uint32_t to_centi(double percent)
+{
+    return percent <= 0 ? 0 : percent >= 100 ? 10000 : (uint32_t)(percent * 100 + 0.5);
+}
+
+/* Back to a percent; the file is tenant-writable, so bounded before use. */
+static double from_centi(uint32_t centi)
+{
+    return (centi <= 10000 ? centi : 10000) / 100.0;
+}
+
 int vgpu_budget_poll_read(struct vgpu_poll *out)
 {
     struct vgpu_shared *s = budget();
@@ -634,9 +639,8 @@ int vgpu_budget_poll_read(struct vgpu_poll *out)
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
         if (__atomic_load_n(&s->poll_seq, __ATOMIC_RELAXED) != seq)
             continue;
-        /* tenant-writable: bounded before use */
-        out->container = (c <= 10000 ? c : 10000) / 100.0;
-        out->self = (self <= 10000 ? self : 10000) / 100.0;
+        out->container = from_centi(c);
+        out->self = from_centi(self);
         if (out->rc < VGPU_POLL_OK || out->rc > VGPU_POLL_UNSUPPORTED)
             out->rc = VGPU_POLL_NO_SAMPLE;
         return 0;
@@ -675,17 +679,14 @@ void vgpu_budget_poll_slot(int slot, double percent)
 {
     struct vgpu_shared *s = budget();
     if (slot >= 0 && slot < VGPU_MAX_SLOTS)
-        s->poll_slot_centi[slot] = (uint16_t)(percent <= 0 ? 0 : percent >= 100 ? 10000
-                                                                                 : percent * 100 + 0.5);
+        s->poll_slot_centi[slot] = (uint16_t)to_centi(percent);
 }
 
 void vgpu_budget_poll_end(int rc, double container_percent, long long at_ns)
 {
     struct vgpu_shared *s = budget();
     s->poll_rc = (uint32_t)rc;
-    s->poll_container_centi = (uint32_t)(container_percent <= 0 ? 0
-                                         : container_percent >= 100 ? 10000
-                                                                    : container_percent * 100 + 0.5);
+    s->poll_container_centi = to_centi(container_percent);
     s->poll_at_ns = (uint64_t)at_ns;
     uint32_t next = poll_writing + 1;
     __atomic_store_n(&s->poll_seq, next ? next : 2, __ATOMIC_RELEASE); /* even, never 0 */

@@ -265,13 +265,6 @@ static void forget_candidates(void)
     have_pending = 0;
 }
 
-static long long clock_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1000000000ll + ts.tv_nsec;
-}
-
 /* Each candidate's used memory now (GONE where not listed); -1 without a list. */
 static int candidate_memory(const struct candidates *c, nvmlProcessInfo_v2_t *buf,
                             unsigned long long *out)
@@ -311,7 +304,7 @@ static uint64_t marker_bytes(uint64_t previous)
 {
     static unsigned state;
     if (!state)
-        state = (unsigned)clock_ns() ^ ((unsigned)getpid() << 16) ^ (unsigned)(uintptr_t)&state;
+        state = (unsigned)vgpu_now_ns() ^ ((unsigned)getpid() << 16) ^ (unsigned)(uintptr_t)&state;
     for (;;) {
         state ^= state << 13, state ^= state >> 17, state ^= state << 5;
         uint64_t bytes = MARK_UNIT * (1 + state % MARK_UNITS);
@@ -367,8 +360,8 @@ static int identify(struct candidates *c, int attempts)
     if (!buf)
         return UNTOLD;
     uint64_t bytes = 0;
-    for (long long start = clock_ns();
-         attempts-- > 0 && clock_ns() - start < MARK_BUDGET_NS;) {
+    for (long long start = vgpu_now_ns();
+         attempts-- > 0 && vgpu_now_ns() - start < MARK_BUDGET_NS;) {
         if (candidate_memory(c, buf, now) != 0)
             break;
         drop_others(c, now);
@@ -422,13 +415,13 @@ void vgpu_device_retry_host_pid(void)
     pthread_mutex_lock(&pending_lock);
     int why = UNTOLD;
     if (pending.n && !vgpu_budget_host_pid()) {
-        long long t0 = clock_ns();
+        long long t0 = vgpu_now_ns();
         why = identify(&pending, MARK_LATER_ATTEMPTS);
         if (why == TOLD) {
             unsigned long long mem = pending.mem[0];
             vgpu_budget_set_host_pid(pending.pid[0]);
             VGPU_TRACE("context on device %d: host pid %u, told later in %lld us",
-                       pending.ordinal, pending.pid[0], (clock_ns() - t0) / 1000);
+                       pending.ordinal, pending.pid[0], (vgpu_now_ns() - t0) / 1000);
             /* The overhead NVML showed for it replaces the estimate charged meanwhile. */
             if (vgpu_cfg.memory_limit != VGPU_NO_LIMIT && mem != NVML_VALUE_NOT_AVAILABLE) {
                 if (mem > pending.charged)
@@ -480,13 +473,13 @@ static void after_context(CUdevice ordinal, CUcontext ctx, struct snapshot *befo
                         untold->pid[untold->n] = after->procs[i].pid;
                         untold->mem[untold->n++] = after->procs[i].usedGpuMemory;
                     }
-                long long t0 = clock_ns();
+                long long t0 = vgpu_now_ns();
                 pthread_mutex_lock(&pending_lock);
                 why = identify(untold, MARK_ATTEMPTS);
                 pthread_mutex_unlock(&pending_lock);
                 VGPU_TRACE("context on device %d: %d new pids, %s in %lld us", ordinal, count,
                            why == TOLD ? "ours told by a marker allocation" : "none told ours",
-                           (clock_ns() - t0) / 1000);
+                           (vgpu_now_ns() - t0) / 1000);
                 if (why == TOLD) {
                     host = untold->pid[0];
                     overhead = untold->mem[0];

@@ -83,13 +83,6 @@ static void sleep_ns(long long ns)
     nanosleep(&ts, NULL);
 }
 
-static long long now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1000000000ll + ts.tv_nsec;
-}
-
 /*
  * Credits the tokens earned since the last refill (at most a full bucket's
  * worth, BURST_NS of the rate).  Any thread may call it; the one whose
@@ -115,7 +108,7 @@ static void refill(long long t)
 /* The rate in force from now on (the time until now is credited at the old one). */
 static void set_rate(double limit, double gain)
 {
-    refill(now_ns());
+    refill(vgpu_now_ns());
     double r = limit / 100 * gain * (double)(1ll << RATE_SHIFT);
     __atomic_store_n(&rate_fp, (long long)(r > 1 ? r : 1), __ATOMIC_RELEASE);
 }
@@ -273,7 +266,7 @@ static int container_util(struct util *u, int publish)
                 vgpu_budget_poll_slot(pids[i].slot, util_of((unsigned)busiest, pids[i].host_pid));
         vgpu_budget_poll_end(rc == 0 ? VGPU_POLL_OK : rc == -1 ? VGPU_POLL_NO_SAMPLE
                                                                : VGPU_POLL_UNSUPPORTED,
-                             rc == 0 ? u->container : 0, now_ns());
+                             rc == 0 ? u->container : 0, vgpu_now_ns());
     }
     return rc;
 }
@@ -297,7 +290,7 @@ static int sampled_util(struct util *u)
     if (role != 0) /* the poller publishes; a process without a shared file polls alone */
         return container_util(u, role > 0);
     struct vgpu_poll p;
-    long long t = now_ns();
+    long long t = vgpu_now_ns();
     int have = vgpu_budget_poll_read(&p) == 0;
     if (have && t - p.at_ns <= VGPU_POLL_STALE_MS * 1000000ll && p.at_ns <= t + 1000000000ll) {
         followed.stale_since = 0;
@@ -337,7 +330,7 @@ static double current_limit(void)
     double guarantee = vgpu_cfg.core_percent;
     uint64_t word = vgpu_budget_arbiter();
     uint64_t seq = word >> VGPU_ARBITER_SEQ_SHIFT, centi = word & VGPU_ARBITER_SHARE_MASK;
-    long long t = now_ns();
+    long long t = vgpu_now_ns();
     if (seq && seq != arb.seq) {
         arb.seq = seq;
         arb.seen_at = t;
@@ -363,7 +356,7 @@ static void *controller(void *arg)
     (void)arg;
     double limit = current_limit(), gain = 1;
     unsigned long long seen = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED), waits_seen = 0;
-    long long since = now_ns();
+    long long since = vgpu_now_ns();
     int unsupported = 0;
     /* A window of WINDOW control periods: utilisation averaged over it
      * steers the gain and the kernel cost estimate. */
@@ -379,7 +372,7 @@ static void *controller(void *arg)
             limit = current_limit();
             if (__atomic_load_n(&engaged, __ATOMIC_ACQUIRE))
                 set_rate(limit, gain); /* the arbiter's share moves every period */
-            long long t = now_ns(), dt = t - since;
+            long long t = vgpu_now_ns(), dt = t - since;
             unsigned long long count = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
             w.launches += count - seen;
             w.graphs_ns += __atomic_exchange_n(&graph_ns, 0, __ATOMIC_RELAXED);
@@ -421,7 +414,7 @@ static void *controller(void *arg)
                     __atomic_store_n(&kernel_cost_ns, k, __ATOMIC_RELAXED);
                 gain = 1;
                 __atomic_store_n(&rate_fp, 0, __ATOMIC_RELAXED);
-                __atomic_store_n(&refilled_at, now_ns(), __ATOMIC_RELEASE);
+                __atomic_store_n(&refilled_at, vgpu_now_ns(), __ATOMIC_RELEASE);
                 __atomic_store_n(&tokens, 0, __ATOMIC_RELAXED);
                 set_rate(limit, gain);
                 __atomic_store_n(&engaged, 1, __ATOMIC_RELEASE);
@@ -523,7 +516,7 @@ static inline void wait_tokens(long long cost)
     while (__atomic_load_n(&engaged, __ATOMIC_ACQUIRE)) {
         long long have = __atomic_load_n(&tokens, __ATOMIC_ACQUIRE);
         if (have <= 0) { /* empty: credit the time since the last refill */
-            refill(now_ns());
+            refill(vgpu_now_ns());
             have = __atomic_load_n(&tokens, __ATOMIC_ACQUIRE);
         }
         if (have > 0) {

@@ -3,10 +3,19 @@
 #define VGPU_H
 
 #include <stdint.h>
+#include <time.h>
 
 #include "alloc_map.h"
 #include "vgpu_hooks.h"
 #include "vgpu_shared.h"
+
+/* CLOCK_MONOTONIC in nanoseconds (every timer and staleness check of the hook). */
+static inline long long vgpu_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000ll + ts.tv_nsec;
+}
 
 #define VGPU_EXPORT __attribute__((visibility("default")))
 #define VGPU_MIB (1024ull * 1024ull)
