@@ -24,9 +24,8 @@ from vgpu.core.contract import BUDGET_FILE_NAME
 FILE_NAME = BUDGET_FILE_NAME
 FILE_BYTES = 143360  # VGPU_SHARED_FILE_BYTES
 MAGIC = 0x76475055
-VERSION = (
-    4  # 3: the compute arbiter's words after limit_bytes; 4: the hooks' poller after the slots
-)
+# 3: the compute arbiter's words after limit_bytes; 4: the hooks' poller after the slots
+VERSION = 4
 MAX_DEVICES = 16
 MAX_SLOTS = 1024
 UUID_BYTES = 48
