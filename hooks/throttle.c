@@ -360,112 +360,101 @@ static void *controller(void *arg)
     int unsupported = 0;
     /* A window of WINDOW control periods: utilisation averaged over it
      * steers the gain and the kernel cost estimate. */
-    struct {
+    struct window {
         double util_ns, self_ns; /* utilisation x time */
         long long dt, graphs_ns;
         unsigned long long launches;
         int periods;
-    } w = {0, 0, 0, 0, 0, 0};
+    } w = {0};
     for (;;) {
         sleep_ns(CONTROL_NS); /* launches refill the bucket themselves */
-        {
-            limit = current_limit();
-            if (__atomic_load_n(&engaged, __ATOMIC_ACQUIRE))
-                set_rate(limit, gain); /* the arbiter's share moves every period */
-            long long t = vgpu_now_ns(), dt = t - since;
-            unsigned long long count = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
-            w.launches += count - seen;
-            w.graphs_ns += __atomic_exchange_n(&graph_ns, 0, __ATOMIC_RELAXED);
-            seen = count;
-            since = t;
-            vgpu_device_retry_host_pid();
-            struct util u;
-            int rc = sampled_util(&u);
-            unsupported = rc == -2 ? unsupported + 1 : 0;
-            if (unsupported >= 3) {
-                vgpu_log(&logged, "NVML has no per-process utilisation for this device (MIG or "
-                         "unsupported): compute limit of %d%% not enforced", vgpu_cfg.core_percent);
-                __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
-                __atomic_store_n(&state, OFF, __ATOMIC_RELEASE);
-                return NULL;
-            }
-            if (rc != 0)
-                continue;
-            w.util_ns += u.container * (double)dt;
-            w.self_ns += u.self * (double)dt;
-            w.dt += dt;
-            int is_engaged = __atomic_load_n(&engaged, __ATOMIC_RELAXED);
-            if (limit >= 99.5) { /* the arbiter lets it have the card: nothing to hold back */
-                if (is_engaged) {
-                    __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
-                    VGPU_TRACE("throttle disengaged: the whole card is allowed");
-                }
-                w.util_ns = w.self_ns = 0;
-                w.dt = w.graphs_ns = 0;
-                w.launches = 0;
-                w.periods = 0;
-                continue;
-            }
-            if (!is_engaged && u.container > limit) { /* engage at once */
-                long long k = w.launches ? (long long)(u.self / 100 * (double)dt) /
-                                               (long long)(w.launches ? w.launches : 1)
-                                         : 0;
-                if (k > 1000)
-                    __atomic_store_n(&kernel_cost_ns, k, __ATOMIC_RELAXED);
-                gain = 1;
-                __atomic_store_n(&rate_fp, 0, __ATOMIC_RELAXED);
-                __atomic_store_n(&refilled_at, vgpu_now_ns(), __ATOMIC_RELEASE);
-                __atomic_store_n(&tokens, 0, __ATOMIC_RELAXED);
-                set_rate(limit, gain);
-                __atomic_store_n(&engaged, 1, __ATOMIC_RELEASE);
-                VGPU_TRACE("throttle engaged: utilisation %.1f%% > %d%%, kernel cost %lld ns",
-                           u.container, vgpu_cfg.core_percent,
-                           __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED));
-                w.util_ns = w.self_ns = 0;
-                w.dt = w.graphs_ns = 0;
-                w.launches = 0;
-                w.periods = 0;
-                continue;
-            }
-            if (++w.periods < WINDOW)
-                continue;
-            double util = w.util_ns / (double)w.dt, self = w.self_ns / (double)w.dt;
-            long long busy = (long long)(self / 100 * (double)w.dt);
-            if (w.launches > 0) {
-                long long k = (busy - w.graphs_ns) / (long long)w.launches;
-                k = k > 1000 ? k : 1000;
-                long long prev = __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED);
-                __atomic_store_n(&kernel_cost_ns, (prev + k) / 2, __ATOMIC_RELAXED);
-            }
-            if (is_engaged) {
-                long long spent = (long long)w.launches *
-                                      __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED) +
-                                  w.graphs_ns;
-                double allowed = limit / 100 * gain * (double)w.dt;
-                double step = clamp(limit / (util > 0.5 ? util : 0.5), 0.7, 1.4);
-                unsigned long long waits = __atomic_load_n(&bucket_waits, __ATOMIC_RELAXED);
-                /* Raise the gain only when the bucket held launches back: below
-                 * the limit for another reason (neighbours on the card, the
-                 * program itself) a raise would wind up and overshoot later. */
-                if (step < 1 || waits != waits_seen) {
-                    gain = clamp(gain * step, 0.02, 50);
-                    set_rate(limit, gain);
-                }
-                waits_seen = waits;
-                if (util < limit && (double)spent * 4 < allowed &&
-                    __atomic_load_n(&tokens, __ATOMIC_RELAXED) >= 0) {
-                    __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
-                    VGPU_TRACE("throttle disengaged: utilisation %.1f%%", util);
-                }
-                VGPU_TRACE("throttle: utilisation %.1f%% (this process %.1f%%), gain %.3f, "
-                           "kernel cost %lld ns", util, self, gain,
-                           __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED));
-            }
-            w.util_ns = w.self_ns = 0;
-            w.dt = w.graphs_ns = 0;
-            w.launches = 0;
-            w.periods = 0;
+        limit = current_limit();
+        if (__atomic_load_n(&engaged, __ATOMIC_ACQUIRE))
+            set_rate(limit, gain); /* the arbiter's share moves every period */
+        long long t = vgpu_now_ns(), dt = t - since;
+        unsigned long long count = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
+        w.launches += count - seen;
+        w.graphs_ns += __atomic_exchange_n(&graph_ns, 0, __ATOMIC_RELAXED);
+        seen = count;
+        since = t;
+        vgpu_device_retry_host_pid();
+        struct util u;
+        int rc = sampled_util(&u);
+        unsupported = rc == -2 ? unsupported + 1 : 0;
+        if (unsupported >= 3) {
+            vgpu_log(&logged, "NVML has no per-process utilisation for this device (MIG or "
+                     "unsupported): compute limit of %d%% not enforced", vgpu_cfg.core_percent);
+            __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
+            __atomic_store_n(&state, OFF, __ATOMIC_RELEASE);
+            return NULL;
         }
+        if (rc != 0)
+            continue;
+        w.util_ns += u.container * (double)dt;
+        w.self_ns += u.self * (double)dt;
+        w.dt += dt;
+        int is_engaged = __atomic_load_n(&engaged, __ATOMIC_RELAXED);
+        if (limit >= 99.5) { /* the arbiter lets it have the card: nothing to hold back */
+            if (is_engaged) {
+                __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
+                VGPU_TRACE("throttle disengaged: the whole card is allowed");
+            }
+            w = (struct window){0};
+            continue;
+        }
+        if (!is_engaged && u.container > limit) { /* engage at once */
+            long long k = w.launches ? (long long)(u.self / 100 * (double)dt) /
+                                           (long long)(w.launches ? w.launches : 1)
+                                     : 0;
+            if (k > 1000)
+                __atomic_store_n(&kernel_cost_ns, k, __ATOMIC_RELAXED);
+            gain = 1;
+            __atomic_store_n(&rate_fp, 0, __ATOMIC_RELAXED);
+            __atomic_store_n(&refilled_at, vgpu_now_ns(), __ATOMIC_RELEASE);
+            __atomic_store_n(&tokens, 0, __ATOMIC_RELAXED);
+            set_rate(limit, gain);
+            __atomic_store_n(&engaged, 1, __ATOMIC_RELEASE);
+            VGPU_TRACE("throttle engaged: utilisation %.1f%% > %d%%, kernel cost %lld ns",
+                       u.container, vgpu_cfg.core_percent,
+                       __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED));
+            w = (struct window){0};
+            continue;
+        }
+        if (++w.periods < WINDOW)
+            continue;
+        double util = w.util_ns / (double)w.dt, self = w.self_ns / (double)w.dt;
+        long long busy = (long long)(self / 100 * (double)w.dt);
+        if (w.launches > 0) {
+            long long k = (busy - w.graphs_ns) / (long long)w.launches;
+            k = k > 1000 ? k : 1000;
+            long long prev = __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED);
+            __atomic_store_n(&kernel_cost_ns, (prev + k) / 2, __ATOMIC_RELAXED);
+        }
+        if (is_engaged) {
+            long long spent = (long long)w.launches *
+                                  __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED) +
+                              w.graphs_ns;
+            double allowed = limit / 100 * gain * (double)w.dt;
+            double step = clamp(limit / (util > 0.5 ? util : 0.5), 0.7, 1.4);
+            unsigned long long waits = __atomic_load_n(&bucket_waits, __ATOMIC_RELAXED);
+            /* Raise the gain only when the bucket held launches back: below
+             * the limit for another reason (neighbours on the card, the
+             * program itself) a raise would wind up and overshoot later. */
+            if (step < 1 || waits != waits_seen) {
+                gain = clamp(gain * step, 0.02, 50);
+                set_rate(limit, gain);
+            }
+            waits_seen = waits;
+            if (util < limit && (double)spent * 4 < allowed &&
+                __atomic_load_n(&tokens, __ATOMIC_RELAXED) >= 0) {
+                __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
+                VGPU_TRACE("throttle disengaged: utilisation %.1f%%", util);
+            }
+            VGPU_TRACE("throttle: utilisation %.1f%% (this process %.1f%%), gain %.3f, "
+                       "kernel cost %lld ns", util, self, gain,
+                       __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED));
+        }
+        w = (struct window){0};
     }
     return NULL;
 }
