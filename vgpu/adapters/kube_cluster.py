@@ -384,29 +384,27 @@ class KubeBinder:
         pool = self._pool(client)
         if pool is None:
             reply = client.call_api(*request, _request_timeout=self.timeout_s)
-            if not 200 <= reply.status <= 299:
-                reply.read()
-                raise ApiException.from_response(http_resp=reply, body=None, data=None)
-            return reply.response
-        from kubernetes.client.rest import RESTResponse
+        else:
+            from kubernetes.client.rest import RESTResponse
 
-        method, url, headers, payload = request[:4]
-        base = self._pool_base
-        response = pool.urlopen(
-            method,
-            url[len(base) :] if url.startswith(base) else url,
-            body=json.dumps(payload),
-            headers=headers,
-            timeout=self._timeout,
-            preload_content=False,
-            redirect=False,
-            assert_same_host=False,
-        )
-        if not 200 <= response.status <= 299:
-            wrapped = RESTResponse(response)
-            wrapped.read()
-            raise ApiException.from_response(http_resp=wrapped, body=None, data=None)
-        return response
+            method, url, headers, payload = request[:4]
+            base = self._pool_base
+            reply = RESTResponse(
+                pool.urlopen(
+                    method,
+                    url[len(base) :] if url.startswith(base) else url,
+                    body=json.dumps(payload),
+                    headers=headers,
+                    timeout=self._timeout,
+                    preload_content=False,
+                    redirect=False,
+                    assert_same_host=False,
+                )
+            )
+        if not 200 <= reply.status <= 299:
+            reply.read()
+            raise ApiException.from_response(http_resp=reply, body=None, data=None)
+        return reply.response
 
     _pool_base = ""
     _pool_of: Any = None
