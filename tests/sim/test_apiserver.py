@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import time
@@ -13,7 +14,7 @@ import pytest
 from kubernetes import client, config, watch
 from urllib3.exceptions import ProtocolError
 
-from vgpu.sim.apiserver import THREAD_PREFIX, FakeApiServer, make_pod
+from vgpu.sim.apiserver import THREAD_PREFIX, FakeApiServer, make_node, make_pod
 
 CORE = "vendor.io/vcuda-core"
 _END = object()
@@ -499,3 +500,19 @@ def test_pods_view_shares_stored_pods_that_writes_never_change() -> None:
         assert after is not before[0]
         assert after["spec"]["nodeName"] == "n" and after["metadata"]["annotations"] == {"x": "1"}
         assert after["metadata"]["labels"] == {"l": "v"} and after["status"]["phase"] == "Running"
+
+
+def test_nodes_view_shares_stored_nodes_that_writes_never_change() -> None:
+    """The stand-in reads nodes_view() without copies too: a node write, through
+    the API or the helper, stores a new object and leaves the old one as it was."""
+    with FakeApiServer() as server:
+        server.add_node(make_node("n1"))
+        before = server.nodes_view()
+        snapshot = copy.deepcopy(before)
+        v1 = client.CoreV1Api(client.ApiClient(client.Configuration(host=server.url)))
+        v1.patch_node("n1", {"spec": {"unschedulable": True}})
+        server.update_node("n1", lambda n: n["metadata"].setdefault("labels", {}).update(a="b"))
+        assert before == snapshot
+        after = server.nodes_view()[0]
+        assert after is not before[0]
+        assert after["spec"]["unschedulable"] is True and after["metadata"]["labels"]["a"] == "b"

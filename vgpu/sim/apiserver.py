@@ -760,8 +760,7 @@ class FakeApiServer:
         informer's cache hands them out to kube-scheduler. Safe because every
         write stores a new object (copy on write) instead of changing one in
         place; a caller must never change what it gets."""
-        with self._cond:
-            return [o for _, o in sorted(self._store["pods"].items())]
+        return self._view("pods")
 
     def add_node(self, node: dict[str, Any]) -> dict[str, Any]:
         """Store a node (emits ADDED) and return the stored copy."""
@@ -1023,6 +1022,11 @@ class FakeApiServer:
     def _list(self, resource: str) -> list[JSON]:
         with self._cond:
             return [copy.deepcopy(o) for _, o in sorted(self._store[resource].items())]
+
+    def _view(self, resource: str) -> list[JSON]:
+        """The stored objects themselves (see pods_view): shared, read-only."""
+        with self._cond:
+            return [o for _, o in sorted(self._store[resource].items())]
 
     # ------------------------------------------------------------------ HTTP side
 
@@ -1464,6 +1468,10 @@ class FakeApiServer:
 
     def nodes(self) -> list[dict[str, Any]]:
         return self._list("nodes")
+
+    def nodes_view(self) -> list[dict[str, Any]]:
+        """The stored nodes, shared and read-only, as pods_view() gives pods."""
+        return self._view("nodes")
 
     def _open_watch(
         self, resource: str, namespace: str | None, query: dict[str, str]

@@ -34,6 +34,7 @@ last one stopped, and the extender sees only those nodes.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import socket
@@ -143,11 +144,18 @@ class Stats:
     bound: int = 0
 
 
-def _quantity(value: Any) -> int:
+@functools.lru_cache(maxsize=4096)
+def _parse_quantity(text: str) -> int:
     try:
-        return int(str(value))
+        return int(text)
     except ValueError:
         return 0
+
+
+def _quantity(value: Any) -> int:
+    """A plain integer quantity (0 if it is not one), parsed once per distinct
+    string, as kube-scheduler keeps parsed quantities in its NodeInfo cache."""
+    return _parse_quantity(str(value))
 
 
 class SchedulerStandIn:
@@ -226,7 +234,9 @@ class SchedulerStandIn:
             # deep copies of every pod on each pass made this loop's pace swing
             # with the machine's load.
             pods = self.api.pods_view()
-            nodes = [n for n in self.api.nodes() if not (n.get("spec") or {}).get("unschedulable")]
+            nodes = [
+                n for n in self.api.nodes_view() if not (n.get("spec") or {}).get("unschedulable")
+            ]
             used = self._bound_usage(pods)
             for pod in pods:
                 spec, meta = pod.get("spec") or {}, pod["metadata"]
@@ -361,7 +371,9 @@ class SchedulerStandIn:
         with self._lock:
             self._pods.setdefault(uid, _PodState()).attempts += 1
         if nodes is None:
-            nodes = [n for n in self.api.nodes() if not (n.get("spec") or {}).get("unschedulable")]
+            nodes = [
+                n for n in self.api.nodes_view() if not (n.get("spec") or {}).get("unschedulable")
+            ]
         feasible, reasons = self._find_feasible(pod, nodes, used)
         interested = self.interested(pod)
         try:
