@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from vgpu.adapters.kube_errors import api_error_text
 from vgpu.adapters.kube_events import warning_event
-from vgpu.core.annotations import assignment_key, parse_assignment
+from vgpu.core.annotations import Assignment, assignment_key, parse_assignment
 from vgpu.core.model import CardUuid, ContainerSpec, Request, Resource
 from vgpu.core.readiness import ApiHealth
 
@@ -141,8 +141,15 @@ def _parse_units(value: Any) -> tuple[int, str]:
     return units, ""
 
 
-def container_specs(pod: dict[str, Any], domain: str) -> list[ContainerSpec]:
-    """The containers of one pod (as API JSON) that ask for our resources."""
+_UNPARSED: Any = object()
+
+
+def container_specs(
+    pod: dict[str, Any], domain: str, assignment: Assignment | None = _UNPARSED
+) -> list[ContainerSpec]:
+    """The containers of one pod (as API JSON) that ask for our resources.
+    `assignment`: its assignment annotation, where the caller parsed it already
+    (None: absent or unreadable)."""
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     created = meta.get("creationTimestamp")
@@ -156,7 +163,7 @@ def container_specs(pod: dict[str, Any], domain: str) -> list[ContainerSpec]:
         created_s = 0.0
     core_name = Resource.CORE.full_name(domain)
     mem_name = Resource.MEMORY.full_name(domain)
-    assigned = _assigned_cards(meta, spec, domain)
+    assigned = _assigned_cards(meta, spec, domain, assignment)
     out = []
     order = 0
     for init, key in ((True, "initContainers"), (False, "containers")):
@@ -197,16 +204,22 @@ def container_specs(pod: dict[str, Any], domain: str) -> list[ContainerSpec]:
 
 
 def _assigned_cards(
-    meta: dict[str, Any], spec: dict[str, Any], domain: str
+    meta: dict[str, Any],
+    spec: dict[str, Any],
+    domain: str,
+    assignment: Assignment | None = _UNPARSED,
 ) -> dict[str, tuple[CardUuid, ...]]:
     """The extender's assignment, if it names the node the pod is bound to."""
-    text = (meta.get("annotations") or {}).get(assignment_key(domain))
-    if not isinstance(text, str):
-        return {}
-    try:
-        assignment = parse_assignment(text)
-    except ValueError as exc:
-        log.debug("pod %s/%s: ignoring %s", meta.get("namespace"), meta.get("name"), exc)
+    if assignment is _UNPARSED:
+        text = (meta.get("annotations") or {}).get(assignment_key(domain))
+        if not isinstance(text, str):
+            return {}
+        try:
+            assignment = parse_assignment(text)
+        except ValueError as exc:
+            log.debug("pod %s/%s: ignoring %s", meta.get("namespace"), meta.get("name"), exc)
+            return {}
+    if assignment is None:
         return {}
     if assignment.node != spec.get("nodeName"):
         return {}  # bound elsewhere than the extender chose (e.g. by another scheduler)

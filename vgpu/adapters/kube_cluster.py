@@ -102,7 +102,7 @@ def pod_info(pod: dict[str, Any], domain: str) -> PodInfo:
         except ValueError:
             placements = {}
     phase = (pod.get("status") or {}).get("phase")
-    specs = tuple(container_specs(pod, domain))
+    specs = tuple(container_specs(pod, domain, assignment))  # the annotation parsed once
     return PodInfo(
         uid=str(meta.get("uid", "")),
         namespace=str(meta.get("namespace", "default")),
