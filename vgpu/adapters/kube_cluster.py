@@ -13,9 +13,12 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import quote, urlsplit
 
+from vgpu.adapters.httpwire import NoAnswer, read_response, request_bytes
 from vgpu.adapters.kube import TERMINAL_PHASES, _raw_watch, container_specs, core_v1_api
 from vgpu.core.annotations import (
     Assignment,
@@ -33,6 +36,7 @@ from vgpu.core.scheduling import PodInfo
 log = logging.getLogger(__name__)
 
 LIST_PAGE = 500
+MAX_ANSWER_BYTES = 2**20  # a Binding's answer is a Status of a few hundred bytes
 ACTIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"
 
 
@@ -353,26 +357,120 @@ class KubeBinder:
             },
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
+        what = f"binding pod {namespace}/{name} to {node}"
+        pool = self._pool(api.api_client)
+        if pool is not None:
+            self._bind_on_pool(what, api.api_client, pool, namespace, name, body)
+            return
         # The answer is a Status, not a Binding: never let the client decode it.
-        self._call(
-            f"binding pod {namespace}/{name} to {node}",
-            lambda: self._post_binding(api, namespace, name, body),
+        self._call(what, lambda: self._post_binding(api, namespace, name, body))
+
+    def _bind_on_pool(
+        self, what: str, client: Any, pool: Any, namespace: str, name: str, body: dict[str, Any]
+    ) -> None:
+        """The Binding as one write on a connection of the client's own urllib3
+        pool (its TLS settings and kept-alive connections), with the client's
+        headers and auth (update_params_for_auth: a rotated or refreshed token
+        is picked up per bind); the Status answer read by httpwire. Through
+        urllib3's request and response layers (and http.client's email-based
+        header parser) a bind cost ~600 us of CPU in ~840 Python calls, and its
+        head and body went out as two sends, waking the API server twice."""
+        path = (
+            f"{self._base_path}/api/v1/namespaces/{quote(namespace, safe='')}"
+            f"/pods/{quote(name, safe='')}/binding"
+        )
+        headers: dict[str, str] = {
+            "Accept": "application/json",
+            "Content-Type": "application/json",
+            **{str(k): str(v) for k, v in client.default_headers.items()},
+        }
+        if client.cookie:
+            headers["Cookie"] = str(client.cookie)
+        client.update_params_for_auth(headers, [], ["BearerToken"], path, "POST", body)
+        try:
+            request = request_bytes("POST", path, self._host, headers, json.dumps(body).encode())
+            status, data, resent = self._exchange(pool, request)
+            if resent and status == 409 and self._landed(namespace, name, body):
+                return  # the first write did land: the 409 is its own bind
+        except Exception as exc:  # socket, TLS, urllib3 pool and malformed answers alike
+            from vgpu.adapters.kube_errors import api_error_text
+
+            text = api_error_text(exc, str(client.configuration.host))
+            raise BindError(f"{what}: {text}; the scheduler retries the pod") from None
+        if not 200 <= status <= 299:
+            try:
+                detail = str(json.loads(data or b"{}").get("message") or "")
+            except (ValueError, AttributeError):
+                detail = ""
+            phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else ""
+            raise BindError(f"{what}: HTTP {status}: {detail or phrase}")
+
+    def _exchange(self, pool: Any, request: bytes) -> tuple[int, bytes, bool]:
+        """(status, body, whether it was sent twice) over one of the pool's
+        connections, given back to it after; any failure closes the connection.
+
+        A kept-alive connection that ends before any byte of an answer was most
+        likely closed by the server as idle just as the request went out (the
+        pool's check for a dropped peer cannot see a close that is still on its
+        way): the request is sent once more on a new connection. The server may
+        have acted on the first one all the same; the caller checks a 409."""
+        for attempt in (1, 2):
+            conn = pool._get_conn(timeout=self.timeout_s)  # checked for a dropped peer
+            try:
+                fresh = conn.sock is None
+                if fresh:
+                    conn.timeout = self.timeout_s
+                    conn.connect()
+                conn.sock.settimeout(self.timeout_s)
+                reader = conn.sock.makefile("rb")
+                try:
+                    conn.sock.sendall(request)
+                    status, _, data, close = read_response(reader, MAX_ANSWER_BYTES)
+                except (NoAnswer, BrokenPipeError, ConnectionResetError):
+                    if fresh or attempt == 2:
+                        raise
+                    conn.close()
+                    continue
+                finally:
+                    reader.close()
+                if close:
+                    conn.close()
+                return status, data, attempt == 2
+            except BaseException:
+                conn.close()
+                raise
+            finally:
+                pool._put_conn(conn)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _landed(self, namespace: str, name: str, body: dict[str, Any]) -> bool:
+        """Whether the pod is bound as `body` asked (node, uid and the assignment):
+        after a resent Binding answered 409, the first one did it."""
+        try:
+            pod = self.read_pod(namespace, name)
+        except BindError:
+            return False
+        if pod is None:
+            return False
+        meta, wanted = pod.get("metadata") or {}, body["metadata"]
+        return (
+            (pod.get("spec") or {}).get("nodeName") == body["target"]["name"]
+            and meta.get("uid") == wanted["uid"]
+            and all(
+                (meta.get("annotations") or {}).get(k) == v
+                for k, v in wanted["annotations"].items()
+            )
         )
 
     def _post_binding(self, api: Any, namespace: str, name: str, body: dict[str, Any]) -> Any:
-        """POST the Binding through the client's own request layer (its URL, auth
-        and TLS: ApiClient.param_serialize and call_api), not the generated
-        create_namespaced_pod_binding: that one's per-call argument validation
-        (a pydantic wrapper) and request building cost more than the write
-        itself, on every bind. Clients before the generator that has
-        param_serialize (kubernetes < 33) take the generated method."""
+        """The Binding through the client's call_api (behind a proxy, or where the
+        client has no urllib3 pool of its own); clients before the generator
+        that has param_serialize (kubernetes < 33) take the generated method."""
         client = api.api_client
         if not hasattr(client, "param_serialize"):
             return api.create_namespaced_pod_binding(
                 name, namespace, body, _preload_content=False, _request_timeout=self.timeout_s
             )
-        from kubernetes.client.exceptions import ApiException
-
         request = client.param_serialize(
             method="POST",
             resource_path="/api/v1/namespaces/{namespace}/pods/{name}/binding",
@@ -381,50 +479,34 @@ class KubeBinder:
             body=body,
             auth_settings=["BearerToken"],
         )
-        pool = self._pool(client)
-        if pool is None:
-            reply = client.call_api(*request, _request_timeout=self.timeout_s)
-        else:
-            from kubernetes.client.rest import RESTResponse
-
-            method, url, headers, payload = request[:4]
-            base = self._pool_base
-            reply = RESTResponse(
-                pool.urlopen(
-                    method,
-                    url[len(base) :] if url.startswith(base) else url,
-                    body=json.dumps(payload),
-                    headers=headers,
-                    timeout=self._timeout,
-                    preload_content=False,
-                    redirect=False,
-                    assert_same_host=False,
-                )
-            )
-        if not 200 <= reply.status <= 299:
-            reply.read()
-            raise ApiException.from_response(http_resp=reply, body=None, data=None)
-        return reply.response
+        return client.call_api(*request, _request_timeout=self.timeout_s)
 
     _pool_base = ""
     _pool_of: Any = None
-    _timeout: Any = None
+    _base_path = ""
+    _host = ""
 
     def _pool(self, client: Any) -> Any:
-        """The client's own urllib3 connection pool for its API server (its TLS
-        settings and keep-alive connections), looked up once: each bind then
-        skips the client's REST wrapper and urllib3's PoolManager URL parsing
-        and pool lookup (~0.3 ms per bind); a pool the manager closed is looked
-        up again. None where the client goes through
-        a proxy (a ProxyManager): then the client's call_api does it all."""
+        """The client's own urllib3 connection pool for its API server, looked up
+        once (and again if the manager closed it). None where the client goes
+        through a proxy (a ProxyManager), has no pool manager, or the pool lacks
+        the connection checkout this adapter uses: then the client's call_api
+        does it all."""
         import urllib3
 
         manager = getattr(getattr(client, "rest_client", None), "pool_manager", None)
-        if type(manager) is not urllib3.PoolManager:
+        if type(manager) is not urllib3.PoolManager or not hasattr(
+            client, "update_params_for_auth"
+        ):
             return None
         base = str(client.configuration.host).rstrip("/")
         if self._pool_of is None or self._pool_base != base or self._pool_of.pool is None:
-            self._pool_of = manager.connection_from_url(base)
+            pool = manager.connection_from_url(base)
+            if not (hasattr(pool, "_get_conn") and hasattr(pool, "_put_conn")):
+                return None
+            url = urlsplit(base)
+            self._pool_of = pool
             self._pool_base = base
-            self._timeout = urllib3.Timeout(total=self.timeout_s)
+            self._base_path = url.path.rstrip("/")  # e.g. a proxy's /k8s/clusters/<id>
+            self._host = url.netloc.rpartition("@")[2]
         return self._pool_of

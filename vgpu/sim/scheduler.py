@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from vgpu.adapters.httpwire import read_response, request_bytes
 from vgpu.sim.apiserver import FakeApiServer
 
 __all__ = ["SchedulerStandIn"]
@@ -71,6 +72,14 @@ def num_feasible_nodes_to_find(all_nodes: int, percentage_of_nodes_to_score: int
     return max(MIN_FEASIBLE_NODES_TO_FIND, all_nodes * percentage // 100)
 
 
+MAX_ANSWER_BYTES = 64 * 2**20  # an extender's or the API server's answer
+_HEADERS = {
+    "Content-Type": "application/json",
+    "Accept": "application/json",
+    "User-Agent": "vgpu-sim-scheduler",
+}
+
+
 class ExtenderError(Exception):
     pass
 
@@ -91,37 +100,7 @@ class _Conn:
         """Send one request; (status, body, whether the server closes).
         ValueError on a malformed answer, OSError on a broken connection."""
         self.sock.sendall(request)
-        line = self.reader.readline(65537)
-        if not line:
-            raise ConnectionError("the server closed the connection")
-        version, _, rest = line.decode("latin-1").partition(" ")
-        if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
-            raise ValueError(f"bad status line {line[:100]!r}")
-        status = int(rest[:3])
-        headers: dict[str, str] = {}
-        while True:
-            raw = self.reader.readline(65537)
-            if raw in (b"\r\n", b"\n", b""):
-                break
-            name, _, value = raw.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if headers.get("transfer-encoding", "").lower() == "chunked":
-            chunks = []
-            while size := int(self.reader.readline(1024).split(b";")[0], 16):
-                chunks.append(self.reader.read(size))
-                self.reader.readline(1024)
-            while self.reader.readline(65537) not in (b"\r\n", b"\n", b""):
-                pass  # trailers
-            data = b"".join(chunks)
-        elif "content-length" in headers:
-            length = int(headers["content-length"])
-            data = self.reader.read(length)
-            if len(data) != length:
-                raise ConnectionError("the server closed the connection mid-answer")
-        else:  # the body runs to the end of the connection
-            data = self.reader.read()
-            headers["connection"] = "close"
-        close = headers.get("connection", "").lower() == "close" or version == "HTTP/1.0"
+        status, _, data, close = read_response(self.reader, MAX_ANSWER_BYTES)
         return status, data, close
 
 
@@ -546,19 +525,20 @@ class SchedulerStandIn:
         go through here too."""
         url = urlsplit(base)
         target = (url.hostname or "127.0.0.1", url.port or 80)
-        payload = json.dumps(body).encode()
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: {target[0]}:{target[1]}\r\n"
-            f"Content-Type: application/json\r\nAccept: application/json\r\n"
-            f"User-Agent: vgpu-sim-scheduler\r\nContent-Length: {len(payload)}\r\n\r\n"
-        ).encode()
+        request = request_bytes(
+            "POST",
+            path,
+            f"{target[0]}:{target[1]}",
+            _HEADERS,
+            json.dumps(body).encode(),
+        )
         conns: dict[tuple[str, int], _Conn] = self._conns.__dict__.setdefault("by_target", {})
         for attempt in (1, 2):
             conn = conns.get(target)
             try:
                 if conn is None:
                     conn = conns[target] = _Conn(target, self.http_timeout_s)
-                status, data, close = conn.exchange(head + payload)
+                status, data, close = conn.exchange(request)
                 if close:
                     conn.close()
                     conns.pop(target, None)
