@@ -536,7 +536,14 @@ class FakeApiServer:
         self._port = port
         self._history_size = history_size
         self._bookmark_interval_s = bookmark_interval_s
-        self._cond = threading.Condition(threading.RLock())
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # Watches wait on their own resource's condition (same lock): a write
+        # wakes the watches of its resource, as the API server's watch cache
+        # dispatches per resource, not every open watch (a node watch does not
+        # wake for each pod write). Changes that concern every watch (down,
+        # stop, compaction) wake them all (_wake_all).
+        self._watch_conds = {r: threading.Condition(lock) for r in _ALL_RESOURCES}
         self._rv = _INITIAL_RV
         self._floor = _INITIAL_RV  # a watch may resume from any rv >= floor
         self._history: collections.deque[_Event] = collections.deque()
@@ -578,7 +585,7 @@ class FakeApiServer:
             return
         self._stopping.set()
         with self._cond:
-            self._cond.notify_all()
+            self._wake_all()
         httpd.shutdown()
         httpd.server_close()
         if self._serve_thread is not None:
@@ -636,7 +643,7 @@ class FakeApiServer:
         """While down every request answers 503 and open watches are cut at once."""
         with self._cond:
             self._down = down
-            self._cond.notify_all()
+            self._wake_all()
 
     def set_delay(self, delay_s: float) -> None:
         """Every request waits ``delay_s`` seconds before it is answered."""
@@ -648,7 +655,7 @@ class FakeApiServer:
         with self._cond:
             self._history.clear()
             self._floor = self._rv
-            self._cond.notify_all()
+            self._wake_all()
 
     @property
     def request_count(self) -> int:
@@ -940,6 +947,13 @@ class FakeApiServer:
             self._floor = self._history.popleft().rv
         self._history.append(_Event(self._rv, resource, etype, copy.deepcopy(obj), prev))
         self._cond.notify_all()
+        self._watch_conds[resource].notify_all()
+
+    def _wake_all(self) -> None:
+        """Wake every waiter, watches of all resources included. Lock held."""
+        self._cond.notify_all()
+        for cond in self._watch_conds.values():
+            cond.notify_all()
 
     def _add(self, resource: str, obj: JSON) -> JSON:
         kind, namespaced = _ALL_RESOURCES[resource]
@@ -1585,7 +1599,7 @@ class FakeApiServer:
                     for limit in (state.deadline, state.next_bookmark):
                         if limit is not None:
                             wait = min(wait, limit - now)
-                    self._cond.wait(max(wait, 0.001))
+                    self._watch_conds[state.resource].wait(max(wait, 0.001))
                     if client_gone():
                         return
             yield out
