@@ -188,6 +188,18 @@ class RawServer:
     def close(self) -> None:
         self.sock.close()
 
+    def __enter__(self) -> RawServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def binder_for(tmp_path: Path, server: RawServer, timeout_s: float = 5.0) -> KubeBinder:
+    """A binder for `server` over plain HTTP, no credentials."""
+    kubeconfig = kubeconfig_for(tmp_path / "kc", f"http://127.0.0.1:{server.port}")
+    return KubeBinder(kubeconfig, DOMAIN, timeout_s)
+
 
 def created(*_: object) -> bytes:
     status = b'{"kind":"Status","apiVersion":"v1","status":"Success","code":201}'
@@ -250,45 +262,29 @@ def test_tls_token_path_prefix_and_one_write_per_binding(tmp_path: Path) -> None
 
 
 def test_a_connection_the_server_closed_is_never_reused(tmp_path: Path) -> None:
-    server = RawServer(created)
-    server.close_after_each = True
-    try:
-        binder = KubeBinder(
-            kubeconfig_for(tmp_path / "kc", f"http://127.0.0.1:{server.port}"), DOMAIN, 5.0
-        )
+    with RawServer(created) as server:
+        server.close_after_each = True
+        binder = binder_for(tmp_path, server)
         for i in range(4):
             binder.bind("default", f"p{i}", f"u{i}", "n1", "{}")
-    finally:
-        server.close()
     assert len(server.requests) == 4  # each bind written exactly once
     assert server.connections == 4
 
 
 def test_a_silent_server_fails_the_bind_at_its_timeout(tmp_path: Path) -> None:
-    server = RawServer(created)
-    server.silent = True
-    try:
-        binder = KubeBinder(
-            kubeconfig_for(tmp_path / "kc", f"http://127.0.0.1:{server.port}"), DOMAIN, 0.5
-        )
+    with RawServer(created) as server:
+        server.silent = True
+        binder = binder_for(tmp_path, server, timeout_s=0.5)
         started = time.monotonic()
         with pytest.raises(BindError, match=r"binding pod default/p to n1: .*retries the pod"):
             binder.bind("default", "p", "u", "n1", "{}")
         assert time.monotonic() - started < 3.0
-    finally:
-        server.close()
 
 
 def test_a_malformed_answer_fails_the_bind_with_its_reason(tmp_path: Path) -> None:
-    server = RawServer(lambda *_: b"HTTP/1.1 201 Created\r\nContent-Length: 99999999\r\n\r\n")
-    try:
-        binder = KubeBinder(
-            kubeconfig_for(tmp_path / "kc", f"http://127.0.0.1:{server.port}"), DOMAIN, 5.0
-        )
-        with pytest.raises(BindError, match="longer than"):
-            binder.bind("default", "p", "u", "n1", "{}")
-    finally:
-        server.close()
+    answer = b"HTTP/1.1 201 Created\r\nContent-Length: 99999999\r\n\r\n"
+    with RawServer(lambda *_: answer) as server, pytest.raises(BindError, match="longer than"):
+        binder_for(tmp_path, server).bind("default", "p", "u", "n1", "{}")
 
 
 def pod_json(node: str, uid: str, annotations: dict[str, str]) -> bytes:
@@ -332,28 +328,19 @@ def test_a_binding_resent_after_a_lost_answer_counts_only_if_it_landed(
             return created()
         return None if len(posts) == 2 else conflict()
 
-    server = RawServer(answer)
-    try:
-        kubeconfig = kubeconfig_for(tmp_path / "kc", f"http://127.0.0.1:{server.port}")
-        binder = KubeBinder(kubeconfig, DOMAIN, 5.0)
+    with RawServer(answer) as server:
+        binder = binder_for(tmp_path, server)
         binder.bind("default", "first", "u1", "n1", "{}")
         if landed:
             binder.bind("default", "p", "u2", "n1", '{"node":"n1"}')
         else:
             with pytest.raises(BindError, match="HTTP 409: pod p is already assigned"):
                 binder.bind("default", "p", "u2", "n1", '{"node":"n1"}')
-    finally:
-        server.close()
     assert len(posts) == 3  # the first bind, then the second one twice
     assert [r[0] for r in server.requests].count("GET") == 1
 
 
 def test_a_new_connection_that_ends_unanswered_is_not_resent(tmp_path: Path) -> None:
-    server = RawServer(lambda *_: None)
-    try:
-        kubeconfig = kubeconfig_for(tmp_path / "kc", f"http://127.0.0.1:{server.port}")
-        with pytest.raises(BindError, match="before answering"):
-            KubeBinder(kubeconfig, DOMAIN, 5.0).bind("default", "p", "u", "n1", "{}")
-    finally:
-        server.close()
+    with RawServer(lambda *_: None) as server, pytest.raises(BindError, match="before answering"):
+        binder_for(tmp_path, server).bind("default", "p", "u", "n1", "{}")
     assert len(server.requests) == 1
