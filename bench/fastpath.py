@@ -25,6 +25,7 @@ import random
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -40,6 +41,7 @@ from vgpu.core.annotations import format_inventory
 from vgpu.core.model import CardUuid, Policy, Resource
 from vgpu.core.slicing import card_device_ids, format_legacy_device_id, parse_device_id
 from vgpu.sim import checkpoint
+from vgpu.sim.apiserver import THREAD_PREFIX as APISERVER_THREADS
 from vgpu.sim.apiserver import FakeApiServer, make_node, make_pod
 from vgpu.sim.cluster import extender_command, free_port
 from vgpu.sim.harness import SimNode, wait_until
@@ -309,6 +311,34 @@ def _cpu_s(process: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of this process's threads, summed by role (the stand-in's
+    scheduling thread, its binding workers, the fake API server's connections)."""
+    roles = {}
+    for t in threading.enumerate():
+        name = t.name
+        role = (
+            "scheduling cycle"
+            if name == "sim-scheduler"
+            else "binding cycles"
+            if name.startswith("sim-sched-bind")
+            else "API server"
+            if name.startswith(APISERVER_THREADS)
+            else "other"
+        )
+        if t.native_id is not None:
+            roles[t.native_id] = role
+    out = dict.fromkeys(("scheduling cycle", "binding cycles", "API server", "other"), 0.0)
+    me = psutil.Process()
+    for thread in me.threads():
+        out[roles.get(thread.id, "other")] += thread.user_time + thread.system_time
+    return out
+
+
+def _per_pod_ms(before: dict[str, float], after: dict[str, float], pods: int) -> Json:
+    return {k: round(1000 * (after[k] - before.get(k, 0.0)) / max(pods, 1), 2) for k in after}
+
+
 def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json:
     rng = random.Random(5)
     shapes = [rng.choice(SHAPES) for _ in range(pods)]
@@ -331,7 +361,7 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
     baseline.start()
     me = psutil.Process()
     try:
-        cpu0 = _cpu_s(me)
+        cpu0, threads0 = _cpu_s(me), _thread_cpu_s()
         base_s, base_bound = _run_stream(
             base_api,
             baseline,
@@ -339,6 +369,7 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
             limit_s,
         )
         base_cpu_s = _cpu_s(me) - cpu0
+        base_threads = _per_pod_ms(threads0, _thread_cpu_s(), base_bound)
     finally:
         baseline.stop()
         base_api.stop()
@@ -364,7 +395,7 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
         )
         scheduler.start()
         ext = psutil.Process(proc.pid)
-        cpu0, ext0 = _cpu_s(me), _cpu_s(ext)
+        cpu0, ext0, threads0 = _cpu_s(me), _cpu_s(ext), _thread_cpu_s()
         vgpu_s, vgpu_bound = _run_stream(
             api,
             scheduler,
@@ -372,6 +403,7 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
             limit_s,
         )
         bench_cpu_s, ext_cpu_s = _cpu_s(me) - cpu0, _cpu_s(ext) - ext0
+        vgpu_threads = _per_pod_ms(threads0, _thread_cpu_s(), vgpu_bound)
         # A Job-sized burst of identical pods into the same (now busier) cluster.
         burst_s, burst_bound = _run_stream(
             api,
@@ -420,6 +452,10 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
             "bench_with_extender": round(1000 * bench_cpu_s / max(vgpu_bound, 1), 2),
             "extender": round(1000 * ext_cpu_s / max(vgpu_bound, 1), 2),
         },
+        # The bench process's share by thread role: what the stand-in and the
+        # fake API server (Go programs in a cluster) spend, alone and with the
+        # extender (its filter and prioritize calls, its watch, its Binding).
+        "bench_cpu_ms_per_pod_by_role": {"baseline": base_threads, "with_extender": vgpu_threads},
         "burst": {"pods": BURST, "bound": burst_bound, "seconds": round(burst_s, 2)},
         "scheduler_calls": calls,
         "bind_errors": len(errors),

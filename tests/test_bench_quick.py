@@ -117,6 +117,8 @@ def test_bench_quick_writes_every_section(tmp_path: Path) -> None:
     e2e = fast["extender"]
     assert e2e["vgpu"]["bound"] == e2e["pods"] and e2e["baseline"]["bound"] == e2e["pods"]
     assert e2e["burst"]["bound"] == e2e["burst"]["pods"] and e2e["overcommitted_cards"] == 0
+    roles = e2e["bench_cpu_ms_per_pod_by_role"]  # the threads were told apart
+    assert roles["baseline"]["API server"] > 0 and roles["with_extender"]["scheduling cycle"] > 0
 
     hooks = sections["hooks"]
     if hooks["available"]:
