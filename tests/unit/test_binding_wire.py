@@ -109,6 +109,31 @@ def test_binds_on_kept_alive_connections_carry_the_assignment(
     assert pool is not None and pool.num_connections == 1  # one connection, reused
 
 
+def test_a_burst_of_concurrent_binds_keeps_its_connections(
+    api: tuple[FakeApiServer, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """32 binds at once (kube-scheduler runs binding cycles concurrently): each
+    connection goes back to the pool for the next bind, none is discarded (at
+    the client's default of 5 per CPU, urllib3 dropped and logged the rest)."""
+    server, kubeconfig = api
+    server.set_delay(0.02)  # so that the binds overlap
+    uids = [server.add_pod(make_pod(f"p{i}", node=None))["metadata"]["uid"] for i in range(32)]
+    binder = KubeBinder(kubeconfig, DOMAIN, 5.0)
+    threads = [
+        threading.Thread(target=binder.bind, args=("default", f"p{i}", uid, "n1", "{}"))
+        for i, uid in enumerate(uids)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(p["spec"].get("nodeName") == "n1" for p in server.pods())
+    assert not [r for r in caplog.records if "pool is full" in r.getMessage()]
+    pool = binder._pool_of
+    kept = [c for c in list(pool.pool.queue) if c is not None] if pool is not None else []
+    assert pool is not None and len(kept) == pool.num_connections  # every one came back
+
+
 def test_api_errors_name_the_status_and_the_servers_message(
     api: tuple[FakeApiServer, Path],
 ) -> None:

@@ -226,9 +226,11 @@ def _assigned_cards(
     return dict(assignment.containers)
 
 
-def api_client(kubeconfig: Path | None) -> Any:
+def api_client(kubeconfig: Path | None, pool_connections: int = 0) -> Any:
     """An ApiClient for the kubeconfig file, or the in-cluster service account;
-    no client-side retries (callers decide what a failure means)."""
+    no client-side retries (callers decide what a failure means).
+    `pool_connections`: kept-alive connections to hold for reuse, where more
+    calls than the client's default (5 per CPU) run at once."""
     from kubernetes import client, config
 
     cfg = client.Configuration()
@@ -237,14 +239,16 @@ def api_client(kubeconfig: Path | None) -> Any:
     else:
         config.load_incluster_config(client_configuration=cfg)
     cfg.retries = False
+    if pool_connections > (cfg.connection_pool_maxsize or 0):
+        cfg.connection_pool_maxsize = pool_connections
     return client.ApiClient(cfg)
 
 
-def core_v1_api(kubeconfig: Path | None) -> Any:
+def core_v1_api(kubeconfig: Path | None, pool_connections: int = 0) -> Any:
     """A CoreV1Api for the kubeconfig file, or the in-cluster service account."""
     from kubernetes import client
 
-    return client.CoreV1Api(api_client(kubeconfig))
+    return client.CoreV1Api(api_client(kubeconfig, pool_connections))
 
 
 def _rv_number(meta: dict[str, Any]) -> int:

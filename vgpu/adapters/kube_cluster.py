@@ -36,6 +36,11 @@ from vgpu.core.scheduling import PodInfo
 log = logging.getLogger(__name__)
 
 LIST_PAGE = 500
+# Binding cycles run at once (kube-scheduler does not bound them): keep this
+# many connections for reuse. At the client's default (5 per CPU) a burst of
+# binds opened a connection (and a TLS handshake) per bind beyond it, and
+# urllib3 logged a warning for each one it then discarded.
+BIND_CONNECTIONS = 64
 MAX_ANSWER_BYTES = 2**20  # a Binding's answer is a Status of a few hundred bytes
 ACTIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"
 
@@ -301,7 +306,7 @@ class KubeBinder:
     def _client(self) -> Any:
         with self._lock:
             if self._api is None:
-                self._api = core_v1_api(self.kubeconfig)
+                self._api = core_v1_api(self.kubeconfig, BIND_CONNECTIONS)
             return self._api
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
