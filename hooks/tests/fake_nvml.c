@@ -118,6 +118,7 @@ static nvmlReturn_t processes(nvmlDevice_t d, unsigned int *count, void *infos, 
     int32_t pids[FAKE_MAX_PROCS];
     unsigned int n = 0, live = 0;
     int card = card_of(d);
+    int no_memory = getenv("FAKE_NVML_NO_PROCESS_MEMORY") != NULL;
     /* A snapshot under the lock, liveness checked after it: the lock is held
      * for a copy only, as a driver's process list does not serialise the card. */
     fake_lock(g);
@@ -128,7 +129,7 @@ static nvmlReturn_t processes(nvmlDevice_t d, unsigned int *count, void *infos, 
         pids[n] = p->pid;
         list[n].pid = p->host_pid;
         list[n].usedGpuMemory =
-            getenv("FAKE_NVML_NO_PROCESS_MEMORY") ? NVML_VALUE_NOT_AVAILABLE : p->used[card];
+            no_memory ? NVML_VALUE_NOT_AVAILABLE : p->used[card];
         list[n].gpuInstanceId = list[n].computeInstanceId = ~0u;
         n++;
     }
