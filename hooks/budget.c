@@ -256,6 +256,25 @@ static struct vgpu_shared *map_shared(const char *dir)
         snprintf(why, sizeof(why), "not a regular file");
         goto fail;
     }
+    /* Joining a file already in use (every process of a start-up storm but
+     * the first): at its size, every block allocated and a valid header
+     * written (magic last), it needs neither the init lock nor fallocate.
+     * Hundreds of processes starting at once queued on that lock one by one,
+     * and waited a time slice each behind a holder the scheduler had parked. */
+    if (st.st_size == VGPU_SHARED_FILE_BYTES &&
+        (uint64_t)st.st_blocks * 512 >= VGPU_SHARED_FILE_BYTES) {
+        s = mmap(NULL, VGPU_SHARED_FILE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (s != MAP_FAILED && __atomic_load_n(&s->magic, __ATOMIC_ACQUIRE) == VGPU_SHARED_MAGIC &&
+            s->version == VGPU_SHARED_VERSION && s->file_bytes == VGPU_SHARED_FILE_BYTES &&
+            s->slot_count == VGPU_MAX_SLOTS) {
+            shm_fd = fd;
+            VGPU_TRACE("budget: attached %s (in use)", shm_path);
+            return s;
+        }
+        if (s != MAP_FAILED)
+            munmap(s, VGPU_SHARED_FILE_BYTES);
+        s = NULL; /* new, or not right: the careful way below */
+    }
     if (ofd_lock(fd, 0, F_WRLCK, 1) != 0 || file_stat(fd, &st) != 0) {
         snprintf(why, sizeof(why), "no open-file-description locks: %s", strerror(errno));
         goto fail;
@@ -318,7 +337,9 @@ static struct vgpu_shared *budget(void)
         const char *dir = vgpu_cfg.shared_dir; /* fixed mount, else $VGPU_SHARED_DIR (config.c) */
         if (!dir)
             vgpu_log(&logged, "VGPU_SHARED_DIR is not set; the memory limit applies per process");
+        long long t0 = vgpu_trace_on ? vgpu_now_ns() : 0;
         s = dir ? map_shared(dir) : NULL;
+        VGPU_TRACE("profile: budget attach %lld us", (vgpu_now_ns() - t0) / 1000);
         __atomic_store_n(&shm, s ? s : map_private(), __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&attach_lock);
@@ -390,12 +411,16 @@ static struct vgpu_shared *lock_with_slot(void)
         lock_budget(s);
         return s;
     }
+    long long t0 = vgpu_trace_on ? vgpu_now_ns() : 0;
     int slot = claim_slot(s);
+    long long t1 = vgpu_trace_on ? vgpu_now_ns() : 0;
     uint32_t id = slot >= 0 ? (uint32_t)slot + 1 : VGPU_LOCK_NO_SLOT, expected = 0;
     slotless_hold(id, F_WRLCK);
     if (!__atomic_compare_exchange_n(&s->lock, &expected, id, 0, __ATOMIC_ACQUIRE,
                                      __ATOMIC_RELAXED))
         lock_slow(s, id);
+    VGPU_TRACE("profile: slot claim %lld us, budget lock %lld us", (t1 - t0) / 1000,
+               (vgpu_now_ns() - t1) / 1000);
     if (slot >= 0) {
         clear_slot(s, slot); /* what a dead predecessor left */
         s->slots[slot].pid = getpid();
