@@ -378,8 +378,10 @@ static void sweep_dead(struct vgpu_shared *s)
 }
 
 /* Takes a free slot's liveness lock (no budget lock needed: the kernel
- * arbitrates between processes).  The slot index, or SLOTLESS. */
-static int claim_slot(const struct vgpu_shared *s)
+ * arbitrates between processes) and shows it taken at once (its pid; the rest
+ * is set under the budget lock), so that others starting at the same moment
+ * skip it without a lock attempt each.  The slot index, or SLOTLESS. */
+static int claim_slot(struct vgpu_shared *s)
 {
     static int logged;
     if (shm_fd < 0)
@@ -389,8 +391,11 @@ static int claim_slot(const struct vgpu_shared *s)
     for (int pass = 0; pass < 2; pass++)
         for (int i = 0; i < VGPU_MAX_SLOTS; i++)
             if ((pass || __atomic_load_n(&s->slots[i].pid, __ATOMIC_RELAXED) == 0) &&
-                ofd_lock(shm_fd, VGPU_SLOT_LOCK_BASE + i, F_WRLCK, 0) == 0)
+                ofd_lock(shm_fd, VGPU_SLOT_LOCK_BASE + i, F_WRLCK, 0) == 0) {
+                __atomic_store_n(&s->slots[i].host_pid, 0, __ATOMIC_RELAXED);
+                __atomic_store_n(&s->slots[i].pid, getpid(), __ATOMIC_RELEASE);
                 return i;
+            }
     vgpu_log(&logged, "all %d process slots are taken; this process's share is not returned "
              "if it dies", VGPU_MAX_SLOTS);
     return SLOTLESS;
@@ -678,9 +683,16 @@ int vgpu_budget_poll_take(void)
     if (poller)
         return 1;
     struct vgpu_shared *s = budget();
-    (void)s;
     if (shm_private || shm_fd < 0)
         return -1; /* no shared file: each process polls for itself */
+    /* A fresh publication: a poller lives, and its lock is not tried (a
+     * system call per process and period, each against the file's hundreds
+     * of slot locks in a storm).  A stale one is tried as before. */
+    uint32_t seq = __atomic_load_n(&s->poll_seq, __ATOMIC_ACQUIRE);
+    long long at = (long long)__atomic_load_n(&s->poll_at_ns, __ATOMIC_RELAXED),
+              now = vgpu_now_ns();
+    if (seq != 0 && at <= now + 1000000000ll && now - at <= VGPU_POLL_STALE_MS * 1000000ll)
+        return 0;
     poller = ofd_lock(shm_fd, VGPU_POLLER_LOCK, F_WRLCK, 0) == 0;
     if (poller)
         VGPU_TRACE("budget: this process polls NVML for the container");
