@@ -17,7 +17,15 @@
  * (not charged to the budget), and the one new pid whose used memory NVML
  * shows grow by that much, and shrink again when it is freed, is ours.  The
  * size is random per attempt (another process doing the same at the same
- * time must not look like us); a few attempts within a few ms.  Still
+ * time must not look like us); a few attempts within a few ms.  Each attempt
+ * compares with the list just taken (the first with the one after the
+ * context) and lists the card once with the marker held; only when several
+ * pids grew by it is the card listed again after the free (the one that also
+ * shrank is ours).  NVML lists cost O(processes) each and hundreds of
+ * processes take them at once in a start-up storm: one list per marker, not
+ * three, and the before-list is sorted once rather than scanned per pid.
+ * VGPU_LOG_LEVEL=trace prints a "profile:" line per context creation (time
+ * before, in and after the driver call, lists taken, markers).  Still
  * unresolved, the new pids are kept and the compute controller tries again
  * at its next periods (candidates that exit drop out, the last one left is
  * ours) before one line says compute is throttled on the whole card.
