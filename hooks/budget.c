@@ -256,6 +256,25 @@ static struct vgpu_shared *map_shared(const char *dir)
         snprintf(why, sizeof(why), "not a regular file");
         goto fail;
     }
+    /* Joining a file already in use (every process of a start-up storm but
+     * the first): at its size, every block allocated and a valid header
+     * written (magic last), it needs neither the init lock nor fallocate.
+     * Hundreds of processes starting at once queued on that lock one by one,
+     * and waited a time slice each behind a holder the scheduler had parked. */
+    if (st.st_size == VGPU_SHARED_FILE_BYTES &&
+        (uint64_t)st.st_blocks * 512 >= VGPU_SHARED_FILE_BYTES) {
+        s = mmap(NULL, VGPU_SHARED_FILE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (s != MAP_FAILED && __atomic_load_n(&s->magic, __ATOMIC_ACQUIRE) == VGPU_SHARED_MAGIC &&
+            s->version == VGPU_SHARED_VERSION && s->file_bytes == VGPU_SHARED_FILE_BYTES &&
+            s->slot_count == VGPU_MAX_SLOTS) {
+            shm_fd = fd;
+            VGPU_TRACE("budget: attached %s (in use)", shm_path);
+            return s;
+        }
+        if (s != MAP_FAILED)
+            munmap(s, VGPU_SHARED_FILE_BYTES);
+        s = NULL; /* new, or not right: the careful way below */
+    }
     if (ofd_lock(fd, 0, F_WRLCK, 1) != 0 || file_stat(fd, &st) != 0) {
         snprintf(why, sizeof(why), "no open-file-description locks: %s", strerror(errno));
         goto fail;
@@ -318,7 +337,9 @@ static struct vgpu_shared *budget(void)
         const char *dir = vgpu_cfg.shared_dir; /* fixed mount, else $VGPU_SHARED_DIR (config.c) */
         if (!dir)
             vgpu_log(&logged, "VGPU_SHARED_DIR is not set; the memory limit applies per process");
+        long long t0 = vgpu_trace_on ? vgpu_now_ns() : 0;
         s = dir ? map_shared(dir) : NULL;
+        VGPU_TRACE("profile: budget attach %lld us", (vgpu_now_ns() - t0) / 1000);
         __atomic_store_n(&shm, s ? s : map_private(), __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&attach_lock);
@@ -357,8 +378,10 @@ static void sweep_dead(struct vgpu_shared *s)
 }
 
 /* Takes a free slot's liveness lock (no budget lock needed: the kernel
- * arbitrates between processes).  The slot index, or SLOTLESS. */
-static int claim_slot(const struct vgpu_shared *s)
+ * arbitrates between processes) and shows it taken at once (its pid; the rest
+ * is set under the budget lock), so that others starting at the same moment
+ * skip it without a lock attempt each.  The slot index, or SLOTLESS. */
+static int claim_slot(struct vgpu_shared *s)
 {
     static int logged;
     if (shm_fd < 0)
@@ -368,8 +391,11 @@ static int claim_slot(const struct vgpu_shared *s)
     for (int pass = 0; pass < 2; pass++)
         for (int i = 0; i < VGPU_MAX_SLOTS; i++)
             if ((pass || __atomic_load_n(&s->slots[i].pid, __ATOMIC_RELAXED) == 0) &&
-                ofd_lock(shm_fd, VGPU_SLOT_LOCK_BASE + i, F_WRLCK, 0) == 0)
+                ofd_lock(shm_fd, VGPU_SLOT_LOCK_BASE + i, F_WRLCK, 0) == 0) {
+                __atomic_store_n(&s->slots[i].host_pid, 0, __ATOMIC_RELAXED);
+                __atomic_store_n(&s->slots[i].pid, getpid(), __ATOMIC_RELEASE);
                 return i;
+            }
     vgpu_log(&logged, "all %d process slots are taken; this process's share is not returned "
              "if it dies", VGPU_MAX_SLOTS);
     return SLOTLESS;
@@ -390,12 +416,16 @@ static struct vgpu_shared *lock_with_slot(void)
         lock_budget(s);
         return s;
     }
+    long long t0 = vgpu_trace_on ? vgpu_now_ns() : 0;
     int slot = claim_slot(s);
+    long long t1 = vgpu_trace_on ? vgpu_now_ns() : 0;
     uint32_t id = slot >= 0 ? (uint32_t)slot + 1 : VGPU_LOCK_NO_SLOT, expected = 0;
     slotless_hold(id, F_WRLCK);
     if (!__atomic_compare_exchange_n(&s->lock, &expected, id, 0, __ATOMIC_ACQUIRE,
                                      __ATOMIC_RELAXED))
         lock_slow(s, id);
+    VGPU_TRACE("profile: slot claim %lld us, budget lock %lld us", (t1 - t0) / 1000,
+               (vgpu_now_ns() - t1) / 1000);
     if (slot >= 0) {
         clear_slot(s, slot); /* what a dead predecessor left */
         s->slots[slot].pid = getpid();
@@ -653,9 +683,16 @@ int vgpu_budget_poll_take(void)
     if (poller)
         return 1;
     struct vgpu_shared *s = budget();
-    (void)s;
     if (shm_private || shm_fd < 0)
         return -1; /* no shared file: each process polls for itself */
+    /* A fresh publication: a poller lives, and its lock is not tried (a
+     * system call per process and period, each against the file's hundreds
+     * of slot locks in a storm).  A stale one is tried as before. */
+    uint32_t seq = __atomic_load_n(&s->poll_seq, __ATOMIC_ACQUIRE);
+    long long at = (long long)__atomic_load_n(&s->poll_at_ns, __ATOMIC_RELAXED),
+              now = vgpu_now_ns();
+    if (seq != 0 && at <= now + 1000000000ll && now - at <= VGPU_POLL_STALE_MS * 1000000ll)
+        return 0;
     poller = ofd_lock(shm_fd, VGPU_POLLER_LOCK, F_WRLCK, 0) == 0;
     if (poller)
         VGPU_TRACE("budget: this process polls NVML for the container");

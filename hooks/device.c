@@ -17,7 +17,15 @@
  * (not charged to the budget), and the one new pid whose used memory NVML
  * shows grow by that much, and shrink again when it is freed, is ours.  The
  * size is random per attempt (another process doing the same at the same
- * time must not look like us); a few attempts within a few ms.  Still
+ * time must not look like us); a few attempts within a few ms.  Each attempt
+ * compares with the list just taken (the first with the one after the
+ * context) and lists the card once with the marker held; only when several
+ * pids grew by it is the card listed again after the free (the one that also
+ * shrank is ours).  NVML lists cost O(processes) each and hundreds of
+ * processes take them at once in a start-up storm: one list per marker, not
+ * three, and the before-list is sorted once rather than scanned per pid.
+ * VGPU_LOG_LEVEL=trace prints a "profile:" line per context creation (time
+ * before, in and after the driver call, lists taken, markers).  Still
  * unresolved, the new pids are kept and the compute controller tries again
  * at its next periods (candidates that exit drop out, the last one left is
  * ours) before one line says compute is throttled on the whole card.
@@ -204,14 +212,27 @@ struct snapshot {
     nvmlDevice_t dev;
     int n; /* -1: no list */
     nvmlProcessInfo_v2_t procs[MAX_PROCS];
+    unsigned sorted[MAX_PROCS]; /* the pids of procs, sorted (after sort_pids) */
 };
+
+static int by_pid(const void *a, const void *b)
+{
+    unsigned x = *(const unsigned *)a, y = *(const unsigned *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Sorts the list's pids once: each later look-up is a binary search (a storm
+ * lists hundreds of processes; comparing every pair cost as much as the list). */
+static void sort_pids(struct snapshot *s)
+{
+    for (int i = 0; i < s->n; i++)
+        s->sorted[i] = s->procs[i].pid;
+    qsort(s->sorted, (size_t)(s->n > 0 ? s->n : 0), sizeof(unsigned), by_pid);
+}
 
 static int listed(const struct snapshot *s, unsigned pid)
 {
-    for (int i = 0; i < s->n; i++)
-        if (s->procs[i].pid == pid)
-            return 1;
-    return 0;
+    return s->n > 0 && bsearch(&pid, s->sorted, (size_t)s->n, sizeof(unsigned), by_pid) != NULL;
 }
 
 /* Before the driver call: 1 and the process list, if this is the first
@@ -230,7 +251,10 @@ static int before_context(CUdevice ordinal, struct snapshot **out)
         return 0;
     s->n = -1;
     char uuid[VGPU_UUID_BYTES];
-    if (vgpu_nvml_load() == 0 && vgpu_device_uuid(ordinal, uuid) == 0 &&
+    long long t0 = vgpu_trace_on ? vgpu_now_ns() : 0;
+    int loaded = vgpu_nvml_load();
+    VGPU_TRACE("profile: nvml load %lld us", (vgpu_now_ns() - t0) / 1000);
+    if (loaded == 0 && vgpu_device_uuid(ordinal, uuid) == 0 &&
         vgpu_nvml.by_uuid(uuid, &s->dev) == NVML_SUCCESS)
         s->n = vgpu_nvml_processes(s->dev, s->procs, MAX_PROCS);
     *out = s;
@@ -281,8 +305,9 @@ static int candidate_memory(const struct candidates *c, nvmlProcessInfo_v2_t *bu
     return 0;
 }
 
-/* Drops candidates that are gone or are another process of this container. */
-static void drop_others(struct candidates *c, const unsigned long long *now)
+/* Drops candidates that are gone or are another process of this container
+ * (`now` is compacted with them). */
+static void drop_others(struct candidates *c, unsigned long long *now)
 {
     static struct vgpu_pid ours[VGPU_MAX_SLOTS]; /* under pending_lock */
     int nours = vgpu_budget_peek_pids(ours, VGPU_MAX_SLOTS), kept = 0;
@@ -294,6 +319,7 @@ static void drop_others(struct candidates *c, const unsigned long long *now)
             continue;
         c->pid[kept] = c->pid[i];
         c->mem[kept] = c->mem[i];
+        now[kept] = now[i];
         kept++;
     }
     c->n = kept;
@@ -315,44 +341,54 @@ static uint64_t marker_bytes(uint64_t previous)
 
 /* One marker: pushes our context, allocates through the real driver (the
  * budget is not charged: this memory is gone again before we return), and
- * reads each candidate's memory before, with and after it.  The index of the
- * one candidate it shows, else -1. */
-static int mark_once(const struct candidates *c, nvmlProcessInfo_v2_t *buf, uint64_t bytes)
+ * compares each candidate's memory with it to `m0`, the caller's list from
+ * just before.  Only where several grew by it (another process's allocation
+ * at the same moment) is the card listed once more, after the free.  One
+ * list per marker, not three: hundreds of processes mark at once in a storm,
+ * and each list is O(processes) on the driver.  The index of the one
+ * candidate it shows, else -1. */
+static int markers; /* marker allocations made (trace profile) */
+
+static int mark_once(const struct candidates *c, nvmlProcessInfo_v2_t *buf, uint64_t bytes,
+                     const unsigned long long *m0)
 {
     static void *fpush, *fpop;
     ctx_push_fn push = (ctx_push_fn)sym(&fpush, "cuCtxPushCurrent_v2");
     ctx_pop_fn pop = (ctx_pop_fn)sym(&fpop, "cuCtxPopCurrent_v2");
-    unsigned long long m0[MAX_CANDIDATES], m1[MAX_CANDIDATES], m2[MAX_CANDIDATES];
+    unsigned long long m1[MAX_CANDIDATES], m2[MAX_CANDIDATES];
     CUcontext popped;
     CUdeviceptr ptr = 0;
-    if (!push || !pop || candidate_memory(c, buf, m0) != 0 || push(c->ctx) != CUDA_SUCCESS)
+    if (!push || !pop || push(c->ctx) != CUDA_SUCCESS)
         return -1;
     CUresult rc = VGPU_REAL(cuMemAlloc_v2, &ptr, bytes);
+    markers++;
     int seen = rc == CUDA_SUCCESS && candidate_memory(c, buf, m1) == 0;
     if (rc == CUDA_SUCCESS)
         VGPU_REAL(cuMemFree_v2, ptr);
-    seen = seen && candidate_memory(c, buf, m2) == 0;
+    /* Grew by the marker. */
+    int grew = 0, grew_at = -1;
+    for (int i = 0; seen && i < c->n; i++)
+        if (m0[i] < GONE && m1[i] < GONE && m1[i] >= m0[i] && m1[i] - m0[i] >= bytes)
+            grew++, grew_at = i;
+    /* Where several did, the one that also shrank by it when it was freed. */
+    int shrank = 0, shrank_at = -1;
+    if (grew > 1 && candidate_memory(c, buf, m2) == 0)
+        for (int i = 0; i < c->n; i++)
+            if (m0[i] < GONE && m1[i] < GONE && m1[i] >= m0[i] && m1[i] - m0[i] >= bytes &&
+                m2[i] < GONE && m2[i] <= m1[i] && m1[i] - m2[i] >= bytes)
+                shrank++, shrank_at = i;
     pop(&popped);
     if (!seen)
         return -1;
-    /* Grew by the marker; where two did (another process's allocation at the
-     * same moment), the one that also shrank by it when it was freed. */
-    int grew = 0, shrank = 0, grew_at = -1, shrank_at = -1;
-    for (int i = 0; i < c->n; i++) {
-        if (m0[i] >= GONE || m1[i] >= GONE || m1[i] < m0[i] || m1[i] - m0[i] < bytes)
-            continue;
-        grew++, grew_at = i;
-        if (m2[i] < GONE && m2[i] <= m1[i] && m1[i] - m2[i] >= bytes)
-            shrank++, shrank_at = i;
-    }
     VGPU_TRACE("marker of %llu MiB: %d of %d new pids grew by it, %d also shrank",
                (unsigned long long)(bytes / VGPU_MIB), grew, c->n, shrank);
     return grew == 1 ? grew_at : shrank == 1 ? shrank_at : -1;
 }
 
 /* Narrows `c` down to our pid (c->pid[0] on TOLD) in at most `attempts`
- * markers and MARK_BUDGET_NS. */
-static int identify(struct candidates *c, int attempts)
+ * markers and MARK_BUDGET_NS.  `fresh`: c->mem is a list of just now (the
+ * one after the context), which the first attempt starts from. */
+static int identify(struct candidates *c, int attempts, int fresh)
 {
     nvmlProcessInfo_v2_t *buf = calloc(MAX_PROCS, sizeof(*buf));
     unsigned long long now[MAX_CANDIDATES];
@@ -362,8 +398,12 @@ static int identify(struct candidates *c, int attempts)
     uint64_t bytes = 0;
     for (long long start = vgpu_now_ns();
          attempts-- > 0 && vgpu_now_ns() - start < MARK_BUDGET_NS;) {
-        if (candidate_memory(c, buf, now) != 0)
+        if (fresh) {
+            memcpy(now, c->mem, sizeof(now));
+            fresh = 0;
+        } else if (candidate_memory(c, buf, now) != 0) {
             break;
+        }
         drop_others(c, now);
         if (c->n <= 1) { /* the others exited: the one left is ours, if any */
             result = c->n ? TOLD : NO_CANDIDATE;
@@ -377,7 +417,7 @@ static int identify(struct candidates *c, int attempts)
             break;
         }
         bytes = marker_bytes(bytes);
-        int k = mark_once(c, buf, bytes);
+        int k = mark_once(c, buf, bytes, now);
         if (k >= 0) {
             c->pid[0] = c->pid[k];
             c->mem[0] = c->mem[k];
@@ -416,7 +456,7 @@ void vgpu_device_retry_host_pid(void)
     int why = UNTOLD;
     if (pending.n && !vgpu_budget_host_pid()) {
         long long t0 = vgpu_now_ns();
-        why = identify(&pending, MARK_LATER_ATTEMPTS);
+        why = identify(&pending, MARK_LATER_ATTEMPTS, 0);
         if (why == TOLD) {
             unsigned long long mem = pending.mem[0];
             vgpu_budget_set_host_pid(pending.pid[0]);
@@ -456,6 +496,7 @@ static void after_context(CUdevice ordinal, CUcontext ctx, struct snapshot *befo
         struct snapshot *after = calloc(1, sizeof(*after));
         if (after) {
             after->n = vgpu_nvml_processes(before->dev, after->procs, MAX_PROCS);
+            sort_pids(before);
             int fresh = -1, count = 0;
             for (int i = 0; i < after->n; i++)
                 if (!listed(before, after->procs[i].pid)) {
@@ -475,7 +516,7 @@ static void after_context(CUdevice ordinal, CUcontext ctx, struct snapshot *befo
                     }
                 long long t0 = vgpu_now_ns();
                 pthread_mutex_lock(&pending_lock);
-                why = identify(untold, MARK_ATTEMPTS);
+                why = identify(untold, MARK_ATTEMPTS, 1);
                 pthread_mutex_unlock(&pending_lock);
                 VGPU_TRACE("context on device %d: %d new pids, %s in %lld us", ordinal, count,
                            why == TOLD ? "ours told by a marker allocation" : "none told ours",
@@ -542,13 +583,21 @@ static void after_context(CUdevice ordinal, CUcontext ctx, struct snapshot *befo
         vgpu_init();                                                                             \
         if (__builtin_expect(vgpu_cfg.refuse, 0)) /* fail-safe (config.c) */                     \
             return CUDA_ERROR_NOT_INITIALIZED;                                                   \
+        long long t0_ = vgpu_trace_on ? vgpu_now_ns() : 0;                                       \
         int want_ = before_context(ordinal, &s_);                                                \
+        long long t1_ = vgpu_trace_on ? vgpu_now_ns() : 0;                                       \
         CUresult rc_ = (call);                                                                   \
+        long long t2_ = vgpu_trace_on ? vgpu_now_ns() : 0;                                       \
         VGPU_TRACE("%s(device %d) = %d", __func__, (int)(ordinal), rc_);                         \
         if (want_ && rc_ == CUDA_SUCCESS && (pctx))                                              \
             after_context(ordinal, *(pctx), s_);                                                 \
         else                                                                                     \
             free(s_);                                                                            \
+        if (want_)                                                                               \
+            VGPU_TRACE("profile: context us before %lld driver %lld after %lld; nvml lists %lld "  \
+                       "list us %lld markers %d",                                                  \
+                       (t1_ - t0_) / 1000, (t2_ - t1_) / 1000, (vgpu_now_ns() - t2_) / 1000,     \
+                       vgpu_nvml_lists, vgpu_nvml_list_ns / 1000, markers);                      \
         return rc_;                                                                              \
     } while (0)
 

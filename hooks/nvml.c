@@ -55,10 +55,18 @@ int vgpu_nvml_load(void)
     return state > 0 ? 0 : -1;
 }
 
+long long vgpu_nvml_lists, vgpu_nvml_list_ns;
+
 int vgpu_nvml_processes(nvmlDevice_t dev, nvmlProcessInfo_v2_t *out, int max)
 {
     unsigned int n = (unsigned int)max;
-    if (!vgpu_nvml.processes || vgpu_nvml.processes(dev, &n, out) != NVML_SUCCESS)
+    long long t0 = vgpu_trace_on ? vgpu_now_ns() : 0;
+    nvmlReturn_t rc = vgpu_nvml.processes ? vgpu_nvml.processes(dev, &n, out) : NVML_ERROR_NOT_SUPPORTED;
+    if (vgpu_trace_on) {
+        __atomic_fetch_add(&vgpu_nvml_lists, 1, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&vgpu_nvml_list_ns, vgpu_now_ns() - t0, __ATOMIC_RELAXED);
+    }
+    if (rc != NVML_SUCCESS)
         return -1;
     return n < (unsigned int)max ? (int)n : max;
 }

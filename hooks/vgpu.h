@@ -172,6 +172,8 @@ extern struct vgpu_nvml_api vgpu_nvml;
 int vgpu_nvml_load(void);
 /* The compute processes NVML lists on the device (host pids). */
 int vgpu_nvml_processes(nvmlDevice_t dev, nvmlProcessInfo_v2_t *out, int max);
+/* Under trace: process lists taken and the time they took (start-up profile). */
+extern long long vgpu_nvml_lists, vgpu_nvml_list_ns;
 
 /* ---- memory.c ---- */
 void vgpu_memory_after_fork(void);

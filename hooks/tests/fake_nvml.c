@@ -116,8 +116,10 @@ static nvmlReturn_t processes(nvmlDevice_t d, unsigned int *count, void *infos, 
     struct fake_gpu *g = fake_gpu();
     nvmlProcessInfo_v2_t list[FAKE_MAX_PROCS];
     int32_t pids[FAKE_MAX_PROCS];
-    unsigned int n = 0, live = 0;
+    int index[FAKE_MAX_PROCS];
+    unsigned int n = 0, live = 0, dead = 0;
     int card = card_of(d);
+    int no_memory = getenv("FAKE_NVML_NO_PROCESS_MEMORY") != NULL;
     /* A snapshot under the lock, liveness checked after it: the lock is held
      * for a copy only, as a driver's process list does not serialise the card. */
     fake_lock(g);
@@ -126,17 +128,33 @@ static nvmlReturn_t processes(nvmlDevice_t d, unsigned int *count, void *infos, 
         if (p->pid <= 0 || !(p->ctx_mask & (1u << card)))
             continue;
         pids[n] = p->pid;
+        index[n] = i;
         list[n].pid = p->host_pid;
         list[n].usedGpuMemory =
-            getenv("FAKE_NVML_NO_PROCESS_MEMORY") ? NVML_VALUE_NOT_AVAILABLE : p->used[card];
+            no_memory ? NVML_VALUE_NOT_AVAILABLE : p->used[card];
         list[n].gpuInstanceId = list[n].computeInstanceId = ~0u;
         n++;
     }
     fake_unlock(g);
-    for (unsigned int i = 0; i < n; i++)
-        if (fake_alive(pids[i]))
+    for (unsigned int i = 0; i < n; i++) {
+        if (fake_alive(pids[i])) {
             list[live++] = list[i];
+        } else {
+            pids[dead] = pids[i];
+            index[dead++] = index[i];
+        }
+    }
     n = live;
+    /* A process that exited holds no context any more (a driver tears its
+     * contexts down with it): its record is freed, so that later lists do not
+     * probe it again (after a storm, hundreds of dead ones). */
+    if (dead) {
+        fake_lock(g);
+        for (unsigned int i = 0; i < dead; i++)
+            if (g->procs[index[i]].pid == pids[i])
+                g->procs[index[i]].pid = 0;
+        fake_unlock(g);
+    }
     if (!infos || *count < n) {
         *count = n;
         return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
