@@ -89,6 +89,22 @@ def test_arbitrate_converges_for_a_greedy_neighbour() -> None:
     assert share == pytest.approx([50, 50])
 
 
+def test_below_its_share_on_a_full_card_it_keeps_its_share() -> None:
+    """A newcomer (guarantee 50) squeezed by two neighbours whose throttles have not
+    yet come down to their new allowances: the card is full, so it is not judged
+    to want only what it got, and the neighbours do not ramp back up into its share."""
+    assert estimate_demand(34, 50, 50, 50, 100, False, saturated=True) == pytest.approx(50)
+    assert estimate_demand(34, 50, 50, 50, 100, False, saturated=False) == pytest.approx(34)
+    g, c = [20.0, 30.0, 50.0], [100.0, 100.0, 100.0]
+    share, allowed = arbitrate(
+        g, c, [33.0, 33.0, 34.0], [20.0, 30.0, 50.0], [20.0, 30.0, 50.0], [False] * 3
+    )
+    assert share == pytest.approx([20, 30, 50])
+    # not full (a light program beside an idle-ish neighbour): judged by what it used
+    share, _ = arbitrate(g, c, [10.0, 30.0, 34.0], [20.0, 30.0, 50.0], [20.0, 30.0, 50.0])
+    assert share[2] < 45
+
+
 tenant = st.builds(
     lambda g, extra, d: Tenant(g, min(100.0, g + extra), d),
     st.floats(0, 100),

@@ -35,6 +35,9 @@ PRESS_MARGIN_FRACTION = 0.08
 HEADROOM_PERCENT = 5.0
 # Below this a container counts as idle.
 IDLE_PERCENT = 1.0
+# The containers on a card together achieve at least this much: the card is
+# full, and one below its share may be squeezed rather than want less.
+SATURATED_PERCENT = 95.0
 _EPS = 1e-9
 
 
@@ -58,6 +61,7 @@ def estimate_demand(
     guarantee_percent: float,
     cap_percent: float,
     throttled: bool | None = None,
+    saturated: bool = False,
 ) -> float:
     """What a container would use, judged from its last period.
 
@@ -65,6 +69,9 @@ def estimate_demand(
       it achieved (about) all it was allowed: it wants as much as it may (its cap).
     - It achieved all of its planned share, but the card was shared: it may be
       squeezed by its neighbours, so it wants at least its guarantee and a step more.
+    - It achieved less than its share on a full card (`saturated`): neighbours
+      whose throttles have not yet come down to their new allowances may be
+      squeezing it (a newcomer, a returning tenant), so it keeps its share.
     - Otherwise its own program is the limit: what it achieved, plus headroom
       when that reaches above its guarantee (below it, the allowance already
       leaves room to grow).
@@ -76,6 +83,8 @@ def estimate_demand(
         return cap_percent
     if achieved > IDLE_PERCENT and achieved >= share_percent - _press_margin(share_percent):
         return min(cap_percent, max(guarantee_percent, share_percent + HEADROOM_PERCENT))
+    if saturated and achieved > IDLE_PERCENT:
+        return min(cap_percent, share_percent)
     if achieved + HEADROOM_PERCENT <= guarantee_percent:
         # Its allowance never falls below its guarantee, so it can grow back to
         # it at once: no headroom is held for it, which would leave capacity
@@ -135,11 +144,12 @@ def arbitrate(
     """One period on one card: (shares, allowances) for every container.
     `throttled`: whether each container's hooks held launches back (None: unknown)."""
     held = list(throttled) if throttled is not None else [None] * len(guarantees)
+    saturated = sum(max(0.0, a) for a in achieved) >= SATURATED_PERCENT
     tenants = [
         Tenant(
             guarantee_percent=g,
             cap_percent=c,
-            demand_percent=estimate_demand(a, pa, ps, g, c, h),
+            demand_percent=estimate_demand(a, pa, ps, g, c, h, saturated),
         )
         for g, c, a, pa, ps, h in zip(
             guarantees, caps, achieved, previous_allowed, previous_share, held, strict=True
