@@ -10,6 +10,7 @@ from vgpu.core.arbiter import (
     Tenant,
     allowed_percent,
     arbitrate,
+    arbitrate_period,
     burst_cap,
     estimate_demand,
     share_out,
@@ -103,6 +104,40 @@ def test_below_its_share_on_a_full_card_it_keeps_its_share() -> None:
     # not full (a light program beside an idle-ish neighbour): judged by what it used
     share, _ = arbitrate(g, c, [10.0, 30.0, 34.0], [20.0, 30.0, 50.0], [20.0, 30.0, 50.0])
     assert share[2] < 45
+
+
+def test_a_light_tenant_is_probed_once_not_every_other_period() -> None:
+    """A notebook using 5 % (guarantee 50) beside a greedy tenant (guarantee 10, cap
+    100). Once it has had room on the card and used 5, it is its own limit: the
+    greedy tenant keeps ~95, period after period. Without that memory it was
+    offered its guarantee again every other period, and the greedy tenant's
+    allowance went 95, 50, 95, 50 (a card ~75 % busy)."""
+    g, c = [10.0, 50.0], [100.0, 50.0]
+    allowed, share = [10.0, 50.0], [10.0, 50.0]
+    settled: list[float | None] = [None, None]
+    greedy_allowed = []
+    for _ in range(12):
+        light = 5.0
+        greedy = min(allowed[0], 100.0 - light)  # it presses whatever it is allowed
+        p = arbitrate_period(g, c, [greedy, light], allowed, share, [True, False], settled)
+        share, allowed, settled = p.shares, p.allowed, p.settled
+        greedy_allowed.append(allowed[0])
+    assert min(greedy_allowed[3:]) >= 94, greedy_allowed
+    assert settled[1] == pytest.approx(5)
+    # it goes idle: forgotten; it comes back squeezed (8 % of a full card): its
+    # guarantee is restored on the first period that sees it
+    p = arbitrate_period(g, c, [95.0, 0.0], allowed, share, [True, False], settled)
+    assert p.settled[1] is None
+    p = arbitrate_period(g, c, [92.0, 8.0], p.allowed, p.shares, [True, False], p.settled)
+    assert p.shares == pytest.approx([50, 50])
+
+
+def test_a_settled_tenant_that_wants_more_is_offered_its_guarantee_again() -> None:
+    g, c = [10.0, 50.0], [100.0, 50.0]
+    # it was its own limit at 5; now it uses 20 of a full card: forgotten, and probed
+    p = arbitrate_period(g, c, [80.0, 20.0], [80.0, 50.0], [80.0, 20.0], [True, False], [None, 5.0])
+    assert p.settled[1] is None
+    assert p.shares == pytest.approx([50, 50])
 
 
 tenant = st.builds(

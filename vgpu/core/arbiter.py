@@ -62,6 +62,7 @@ def estimate_demand(
     cap_percent: float,
     throttled: bool | None = None,
     saturated: bool = False,
+    settled_percent: float | None = None,
 ) -> float:
     """What a container would use, judged from its last period.
 
@@ -72,6 +73,10 @@ def estimate_demand(
     - It achieved less than its share on a full card (`saturated`): neighbours
       whose throttles have not yet come down to their new allowances may be
       squeezing it (a newcomer, a returning tenant), so it keeps its share.
+    - Neither of the last two while it stays at the level where it was seen to
+      be its own limit (`settled_percent`: below its guarantee with room on the
+      card): probing it again every other period would take its neighbours'
+      allowances down and up and leave the card idle in between.
     - Otherwise its own program is the limit: what it achieved, plus headroom
       when that reaches above its guarantee (below it, the allowance already
       leaves room to grow).
@@ -81,9 +86,16 @@ def estimate_demand(
         throttled is None and achieved >= allowed_percent - _press_margin(allowed_percent)
     ):
         return cap_percent
-    if achieved > IDLE_PERCENT and achieved >= share_percent - _press_margin(share_percent):
+    own_limit = settled_percent is not None and achieved <= settled_percent + _press_margin(
+        settled_percent
+    )
+    if (
+        not own_limit
+        and achieved > IDLE_PERCENT
+        and achieved >= share_percent - _press_margin(share_percent)
+    ):
         return min(cap_percent, max(guarantee_percent, share_percent + HEADROOM_PERCENT))
-    if saturated and achieved > IDLE_PERCENT:
+    if not own_limit and saturated and achieved > IDLE_PERCENT:
         return min(cap_percent, share_percent)
     if achieved + HEADROOM_PERCENT <= guarantee_percent:
         # Its allowance never falls below its guarantee, so it can grow back to
@@ -133,6 +145,73 @@ def allowed_percent(share: float, guarantee_percent: float, cap_percent: float) 
     return min(cap_percent, max(share, guarantee_percent))
 
 
+def settled_level(
+    achieved_percent: float,
+    guarantee_percent: float,
+    saturated: bool,
+    previous: float | None,
+) -> float | None:
+    """Where a container was last seen to be its own limit, after this period:
+    below its guarantee (so below its allowance: its hooks did not hold it) on a
+    card that was not full (so no neighbour squeezed it). Forgotten once it is
+    idle (it may come back wanting its guarantee) or uses more than that level."""
+    achieved = max(0.0, min(CARD_PERCENT, achieved_percent))
+    if achieved <= IDLE_PERCENT:
+        return None
+    if not saturated and achieved + HEADROOM_PERCENT <= guarantee_percent:
+        return achieved
+    if previous is not None and achieved > previous + _press_margin(previous):
+        return None
+    return previous
+
+
+@dataclass(frozen=True)
+class Period:
+    """One period's decision on one card, per container in the callers' order."""
+
+    shares: list[float]
+    allowed: list[float]
+    settled: list[float | None]  # feed back as `previous_settled` next period
+
+
+def arbitrate_period(
+    guarantees: Sequence[float],
+    caps: Sequence[float],
+    achieved: Sequence[float],
+    previous_allowed: Sequence[float],
+    previous_share: Sequence[float],
+    throttled: Sequence[bool | None] | None = None,
+    previous_settled: Sequence[float | None] | None = None,
+) -> Period:
+    """One period on one card: shares, allowances and where each container was
+    seen to be its own limit. `throttled`: whether each container's hooks held
+    launches back (None: unknown)."""
+    n = len(guarantees)
+    held = list(throttled) if throttled is not None else [None] * n
+    before = list(previous_settled) if previous_settled is not None else [None] * n
+    saturated = sum(max(0.0, a) for a in achieved) >= SATURATED_PERCENT
+    tenants = [
+        Tenant(
+            guarantee_percent=g,
+            cap_percent=c,
+            demand_percent=estimate_demand(a, pa, ps, g, c, h, saturated, st),
+        )
+        for g, c, a, pa, ps, h, st in zip(
+            guarantees, caps, achieved, previous_allowed, previous_share, held, before, strict=True
+        )
+    ]
+    shares = share_out(tenants)
+    allowed = [
+        allowed_percent(s, t.guarantee_percent, t.cap_percent)
+        for s, t in zip(shares, tenants, strict=True)
+    ]
+    settled = [
+        settled_level(a, g, saturated, st)
+        for a, g, st in zip(achieved, guarantees, before, strict=True)
+    ]
+    return Period(shares, allowed, settled)
+
+
 def arbitrate(
     guarantees: Sequence[float],
     caps: Sequence[float],
@@ -141,26 +220,11 @@ def arbitrate(
     previous_share: Sequence[float],
     throttled: Sequence[bool | None] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """One period on one card: (shares, allowances) for every container.
-    `throttled`: whether each container's hooks held launches back (None: unknown)."""
-    held = list(throttled) if throttled is not None else [None] * len(guarantees)
-    saturated = sum(max(0.0, a) for a in achieved) >= SATURATED_PERCENT
-    tenants = [
-        Tenant(
-            guarantee_percent=g,
-            cap_percent=c,
-            demand_percent=estimate_demand(a, pa, ps, g, c, h, saturated),
-        )
-        for g, c, a, pa, ps, h in zip(
-            guarantees, caps, achieved, previous_allowed, previous_share, held, strict=True
-        )
-    ]
-    shares = share_out(tenants)
-    allowed = [
-        allowed_percent(s, t.guarantee_percent, t.cap_percent)
-        for s, t in zip(shares, tenants, strict=True)
-    ]
-    return shares, allowed
+    """One period on one card without memory of past levels: (shares, allowances)."""
+    period = arbitrate_period(
+        guarantees, caps, achieved, previous_allowed, previous_share, throttled
+    )
+    return period.shares, period.allowed
 
 
 # ---- the burst cap ----
