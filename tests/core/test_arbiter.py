@@ -97,7 +97,7 @@ def test_below_its_share_on_a_full_card_it_keeps_its_share() -> None:
     assert estimate_demand(34, 50, 50, 50, 100, False, saturated=True) == pytest.approx(50)
     assert estimate_demand(34, 50, 50, 50, 100, False, saturated=False) == pytest.approx(34)
     g, c = [20.0, 30.0, 50.0], [100.0, 100.0, 100.0]
-    share, allowed = arbitrate(
+    share, _ = arbitrate(
         g, c, [33.0, 33.0, 34.0], [20.0, 30.0, 50.0], [20.0, 30.0, 50.0], [False] * 3
     )
     assert share == pytest.approx([20, 30, 50])
