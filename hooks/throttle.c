@@ -10,7 +10,8 @@
  * control period (50 ms), reads SM utilisation from NVML for the container's
  * own processes (by their host pids, which NVML reports):
  *  - each launch costs its estimated GPU time: a kernel the mean measured
- *    over the last period (this process's busy time / its launches), a graph
+ *    over the last periods with samples (this process's busy time / its
+ *    launches in those same periods), a graph
  *    launch its own measured duration (CUDA events around a sample of its
  *    launches), so a graph of many kernels is not charged as one small one;
  *  - a launch waits while the bucket is empty and then takes its cost, which
@@ -18,7 +19,9 @@
  *    next launch by as long as it must, so long kernels converge too;
  *  - every 200 ms, gain <- gain x clamp(limit / utilisation, 0.7, 1.4)
  *    corrects what the estimates miss (other processes of the container,
- *    overlap).
+ *    overlap), the limit being the mean allowed share over those 200 ms; a
+ *    new cost estimate rescales the gain with it (same launches per second),
+ *    so that an error is corrected once, by the step, not twice.
  * Until the container's utilisation first exceeds the limit the bucket is not
  * engaged (launches pay one atomic increment); it disengages again when the
  * program uses far less than the bucket allows.  Without NVML, or without
@@ -438,7 +441,8 @@ static void *controller(void *arg)
         if (w.launches > 0) {
             long long k = (busy - w.graphs_ns) / (long long)w.launches;
             k = k > 1000 ? k : 1000;
-            long long prev = __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED), next = (prev + k) / 2;
+            long long prev = __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED);
+            long long next = (prev + k) / 2;
             __atomic_store_n(&kernel_cost_ns, next, __ATOMIC_RELAXED);
             /* The gain already corrects the old estimate's error: keep the bucket's
              * launches per second as they were, so that the step below (from
