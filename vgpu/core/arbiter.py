@@ -38,6 +38,11 @@ IDLE_PERCENT = 1.0
 # The containers on a card together achieve at least this much: the card is
 # full, and one below its share may be squeezed rather than want less.
 SATURATED_PERCENT = 95.0
+# A container seen to be its own limit is not offered its guarantee again; every
+# this many periods it is offered HEADROOM_PERCENT more instead. A tenant that
+# only looked self-limited (starved of CPU for a moment) and is now squeezed by
+# neighbours that took its room grows into that step and is then probed fully.
+RECHECK_PERIODS = 10
 _EPS = 1e-9
 
 
@@ -63,6 +68,7 @@ def estimate_demand(
     throttled: bool | None = None,
     saturated: bool = False,
     settled_percent: float | None = None,
+    recheck: bool = False,
 ) -> float:
     """What a container would use, judged from its last period.
 
@@ -76,7 +82,8 @@ def estimate_demand(
     - Neither of the last two while it stays at the level where it was seen to
       be its own limit (`settled_percent`: below its guarantee with room on the
       card): probing it again every other period would take its neighbours'
-      allowances down and up and leave the card idle in between.
+      allowances down and up and leave the card idle in between. On a
+      `recheck` it is offered a step more than it used instead.
     - Otherwise its own program is the limit: what it achieved, plus headroom
       when that reaches above its guarantee (below it, the allowance already
       leaves room to grow).
@@ -89,6 +96,8 @@ def estimate_demand(
     own_limit = settled_percent is not None and achieved <= settled_percent + _press_margin(
         settled_percent
     )
+    if own_limit and recheck:
+        return min(cap_percent, achieved + HEADROOM_PERCENT)
     if (
         not own_limit
         and achieved > IDLE_PERCENT
@@ -145,24 +154,40 @@ def allowed_percent(share: float, guarantee_percent: float, cap_percent: float) 
     return min(cap_percent, max(share, guarantee_percent))
 
 
+@dataclass(frozen=True)
+class Settled:
+    """Where a container was last seen to be its own limit, and for how many
+    periods since (then or at its last recheck)."""
+
+    level_percent: float
+    periods: int = 0
+
+
 def settled_level(
     achieved_percent: float,
     guarantee_percent: float,
-    saturated: bool,
-    previous: float | None,
-) -> float | None:
-    """Where a container was last seen to be its own limit, after this period:
-    below its guarantee (so below its allowance: its hooks did not hold it) on a
-    card that was not full (so no neighbour squeezed it). Forgotten once it is
-    idle (it may come back wanting its guarantee) or uses more than that level."""
+    total_percent: float,
+    previous: Settled | None,
+) -> Settled | None:
+    """Where a container was seen to be its own limit, after this period: below
+    its guarantee (so below its allowance: its hooks did not hold it) while the
+    card had room for it to reach its guarantee (so no neighbour squeezed it).
+    Forgotten once it is idle (it may come back wanting its guarantee) or uses
+    more than that level; its periods restart when a recheck finds it still
+    there."""
     achieved = max(0.0, min(CARD_PERCENT, achieved_percent))
     if achieved <= IDLE_PERCENT:
         return None
-    if not saturated and achieved + HEADROOM_PERCENT <= guarantee_percent:
-        return achieved
-    if previous is not None and achieved > previous + _press_margin(previous):
+    room = CARD_PERCENT - total_percent
+    if achieved + HEADROOM_PERCENT <= guarantee_percent and room >= guarantee_percent - achieved:
+        return Settled(achieved)
+    if previous is None:
         return None
-    return previous
+    if achieved > previous.level_percent + _press_margin(previous.level_percent):
+        return None
+    if previous.periods >= RECHECK_PERIODS:
+        return Settled(previous.level_percent)
+    return Settled(previous.level_percent, previous.periods + 1)
 
 
 @dataclass(frozen=True)
@@ -171,7 +196,7 @@ class Period:
 
     shares: list[float]
     allowed: list[float]
-    settled: list[float | None]  # feed back as `previous_settled` next period
+    settled: list[Settled | None]  # feed back as `previous_settled` next period
 
 
 def arbitrate_period(
@@ -181,7 +206,7 @@ def arbitrate_period(
     previous_allowed: Sequence[float],
     previous_share: Sequence[float],
     throttled: Sequence[bool | None] | None = None,
-    previous_settled: Sequence[float | None] | None = None,
+    previous_settled: Sequence[Settled | None] | None = None,
 ) -> Period:
     """One period on one card: shares, allowances and where each container was
     seen to be its own limit. `throttled`: whether each container's hooks held
@@ -189,12 +214,23 @@ def arbitrate_period(
     n = len(guarantees)
     held = list(throttled) if throttled is not None else [None] * n
     before = list(previous_settled) if previous_settled is not None else [None] * n
-    saturated = sum(max(0.0, a) for a in achieved) >= SATURATED_PERCENT
+    total = sum(max(0.0, a) for a in achieved)
+    saturated = total >= SATURATED_PERCENT
     tenants = [
         Tenant(
             guarantee_percent=g,
             cap_percent=c,
-            demand_percent=estimate_demand(a, pa, ps, g, c, h, saturated, st),
+            demand_percent=estimate_demand(
+                a,
+                pa,
+                ps,
+                g,
+                c,
+                h,
+                saturated,
+                None if st is None else st.level_percent,
+                st is not None and st.periods >= RECHECK_PERIODS,
+            ),
         )
         for g, c, a, pa, ps, h, st in zip(
             guarantees, caps, achieved, previous_allowed, previous_share, held, before, strict=True
@@ -206,7 +242,7 @@ def arbitrate_period(
         for s, t in zip(shares, tenants, strict=True)
     ]
     settled = [
-        settled_level(a, g, saturated, st)
+        settled_level(a, g, total, st)
         for a, g, st in zip(achieved, guarantees, before, strict=True)
     ]
     return Period(shares, allowed, settled)

@@ -28,7 +28,7 @@ from vgpu.adapters import budget
 from vgpu.adapters.kube import KubePodCache, PodSource
 from vgpu.adapters.kube_events import KubeEvents, NoEvents
 from vgpu.config import Settings
-from vgpu.core.arbiter import CARD_PERCENT, arbitrate_period, burst_cap
+from vgpu.core.arbiter import CARD_PERCENT, Settled, arbitrate_period, burst_cap
 from vgpu.core.model import CardUuid, Owner, Placement
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class ShareView:
 class _State:
     allowed: dict[CardUuid, float] = field(default_factory=dict)
     share: dict[CardUuid, float] = field(default_factory=dict)
-    settled: dict[CardUuid, float | None] = field(default_factory=dict)
+    settled: dict[CardUuid, Settled | None] = field(default_factory=dict)
     waits: int | None = None  # the hooks' throttle_waits counter last period
 
 
