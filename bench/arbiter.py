@@ -113,6 +113,16 @@ def scenarios(seg_s: float) -> list[Scenario]:
             ),
             (0, s, 2 * s, 3 * s),
         ),
+        # a notebook using 5 % beside a greedy tenant: the card stays full (the
+        # greedy one is not held back to leave the notebook room it does not use)
+        Scenario(
+            "light-neighbour",
+            (
+                TenantSpec("greedy", 10, 100, ((G, s),)),
+                TenantSpec("light", 50, 50, ((5.0, s),)),
+            ),
+            (0, s),
+        ),
         Scenario(
             "arrive-and-leave",
             (

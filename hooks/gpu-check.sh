@@ -18,7 +18,8 @@
 #   7. with the hook loaded and no limits, throughput within 3 % of no hook;
 #   8. compute arbitration (docs/enforcement-arbiter.md): bench/arbiter.py's
 #      scenarios (alone at 30 % with and without a cap of 100, 10/90, 30/60,
-#      a noisy neighbour, three tenants arriving and leaving) with the
+#      a noisy neighbour, a 5 % light neighbour beside a greedy tenant, three
+#      tenants arriving and leaving) with the
 #      daemon's arbiter on the real NVML and fp16 matmul loops as tenants;
 #      reported, not judged (its targets were set on the stand-in).
 # Usage: hooks/gpu-check.sh [--dry-run]   (PYTHON=... picks the interpreter)

@@ -10,7 +10,8 @@
  * control period (50 ms), reads SM utilisation from NVML for the container's
  * own processes (by their host pids, which NVML reports):
  *  - each launch costs its estimated GPU time: a kernel the mean measured
- *    over the last period (this process's busy time / its launches), a graph
+ *    over the last periods with samples (this process's busy time / its
+ *    launches in those same periods), a graph
  *    launch its own measured duration (CUDA events around a sample of its
  *    launches), so a graph of many kernels is not charged as one small one;
  *  - a launch waits while the bucket is empty and then takes its cost, which
@@ -18,7 +19,9 @@
  *    next launch by as long as it must, so long kernels converge too;
  *  - every 200 ms, gain <- gain x clamp(limit / utilisation, 0.7, 1.4)
  *    corrects what the estimates miss (other processes of the container,
- *    overlap).
+ *    overlap), the limit being the mean allowed share over those 200 ms; a
+ *    new cost estimate rescales the gain with it (same launches per second),
+ *    so that an error is corrected once, by the step, not twice.
  * Until the container's utilisation first exceeds the limit the bucket is not
  * engaged (launches pay one atomic increment); it disengages again when the
  * program uses far less than the bucket allows.  Without NVML, or without
@@ -361,7 +364,7 @@ static void *controller(void *arg)
     /* A window of WINDOW control periods: utilisation averaged over it
      * steers the gain and the kernel cost estimate. */
     struct window {
-        double util_ns, self_ns; /* utilisation x time */
+        double util_ns, self_ns, limit_ns; /* utilisation (and the limit in force) x time */
         long long dt, graphs_ns;
         unsigned long long launches;
         int periods;
@@ -373,8 +376,8 @@ static void *controller(void *arg)
             set_rate(limit, gain); /* the arbiter's share moves every period */
         long long t = vgpu_now_ns(), dt = t - since;
         unsigned long long count = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED);
-        w.launches += count - seen;
-        w.graphs_ns += __atomic_exchange_n(&graph_ns, 0, __ATOMIC_RELAXED);
+        unsigned long long launched = count - seen;
+        long long graphs = __atomic_exchange_n(&graph_ns, 0, __ATOMIC_RELAXED);
         seen = count;
         since = t;
         vgpu_device_retry_host_pid();
@@ -390,8 +393,14 @@ static void *controller(void *arg)
         }
         if (rc != 0)
             continue;
+        /* The window holds the launches of the periods it has samples for, so
+         * that busy time / launches is a kernel's cost (a period without a new
+         * sample, like the first, counted its launches against no busy time). */
+        w.launches += launched;
+        w.graphs_ns += graphs;
         w.util_ns += u.container * (double)dt;
         w.self_ns += u.self * (double)dt;
+        w.limit_ns += limit * (double)dt;
         w.dt += dt;
         int is_engaged = __atomic_load_n(&engaged, __ATOMIC_RELAXED);
         if (limit >= 99.5) { /* the arbiter lets it have the card: nothing to hold back */
@@ -403,9 +412,11 @@ static void *controller(void *arg)
             continue;
         }
         if (!is_engaged && u.container > limit) { /* engage at once */
-            long long k = w.launches ? (long long)(u.self / 100 * (double)dt) /
-                                           (long long)(w.launches ? w.launches : 1)
-                                     : 0;
+            /* The cost of a kernel from the window so far: its busy time and its
+             * launches over the same periods (the busy time of the last period
+             * alone over the whole window's launches under-counted it, up to
+             * WINDOW times, and the bucket started far too generous). */
+            long long k = w.launches ? (long long)(w.self_ns / 100) / (long long)w.launches : 0;
             if (k > 1000)
                 __atomic_store_n(&kernel_cost_ns, k, __ATOMIC_RELAXED);
             gain = 1;
@@ -423,27 +434,36 @@ static void *controller(void *arg)
         if (++w.periods < WINDOW)
             continue;
         double util = w.util_ns / (double)w.dt, self = w.self_ns / (double)w.dt;
+        /* What the utilisation is held against: the limit as it was over the
+         * window (the arbiter may have moved it in between), not the new one. */
+        double held = w.limit_ns / (double)w.dt, gain_was = gain;
         long long busy = (long long)(self / 100 * (double)w.dt);
         if (w.launches > 0) {
             long long k = (busy - w.graphs_ns) / (long long)w.launches;
             k = k > 1000 ? k : 1000;
             long long prev = __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED);
-            __atomic_store_n(&kernel_cost_ns, (prev + k) / 2, __ATOMIC_RELAXED);
+            long long next = (prev + k) / 2;
+            __atomic_store_n(&kernel_cost_ns, next, __ATOMIC_RELAXED);
+            /* The gain already corrects the old estimate's error: keep the bucket's
+             * launches per second as they were, so that the step below (from
+             * what they achieved) is the only correction, not applied twice. */
+            if (is_engaged && prev > 0)
+                gain = clamp(gain * (double)next / (double)prev, 0.02, 50);
         }
         if (is_engaged) {
             long long spent = (long long)w.launches *
                                   __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED) +
                               w.graphs_ns;
             double allowed = limit / 100 * gain * (double)w.dt;
-            double step = clamp(limit / (util > 0.5 ? util : 0.5), 0.7, 1.4);
+            double step = clamp(held / (util > 0.5 ? util : 0.5), 0.7, 1.4);
             unsigned long long waits = __atomic_load_n(&bucket_waits, __ATOMIC_RELAXED);
             /* Raise the gain only when the bucket held launches back: below
              * the limit for another reason (neighbours on the card, the
              * program itself) a raise would wind up and overshoot later. */
-            if (step < 1 || waits != waits_seen) {
+            if (step < 1 || waits != waits_seen)
                 gain = clamp(gain * step, 0.02, 50);
+            if (gain != gain_was)
                 set_rate(limit, gain);
-            }
             waits_seen = waits;
             if (util < limit && (double)spent * 4 < allowed &&
                 __atomic_load_n(&tokens, __ATOMIC_RELAXED) >= 0) {

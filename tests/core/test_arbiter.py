@@ -7,9 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vgpu.core.arbiter import (
+    RECHECK_PERIODS,
+    Settled,
     Tenant,
     allowed_percent,
     arbitrate,
+    arbitrate_period,
     burst_cap,
     estimate_demand,
     share_out,
@@ -87,6 +90,82 @@ def test_arbitrate_converges_for_a_greedy_neighbour() -> None:
     assert share[0] >= 94 and allowed[1] == 50
     share, allowed = arbitrate(g, c, [90.0, 8.0], allowed, share)  # it is back, squeezed
     assert share == pytest.approx([50, 50])
+
+
+def test_below_its_share_on_a_full_card_it_keeps_its_share() -> None:
+    """A newcomer (guarantee 50) squeezed by two neighbours whose throttles have not
+    yet come down to their new allowances: the card is full, so it is not judged
+    to want only what it got, and the neighbours do not ramp back up into its share."""
+    assert estimate_demand(34, 50, 50, 50, 100, False, saturated=True) == pytest.approx(50)
+    assert estimate_demand(34, 50, 50, 50, 100, False, saturated=False) == pytest.approx(34)
+    g, c = [20.0, 30.0, 50.0], [100.0, 100.0, 100.0]
+    share, _ = arbitrate(
+        g, c, [33.0, 33.0, 34.0], [20.0, 30.0, 50.0], [20.0, 30.0, 50.0], [False] * 3
+    )
+    assert share == pytest.approx([20, 30, 50])
+    # not full (a light program beside an idle-ish neighbour): judged by what it used
+    share, _ = arbitrate(g, c, [10.0, 30.0, 34.0], [20.0, 30.0, 50.0], [20.0, 30.0, 50.0])
+    assert share[2] < 45
+
+
+def test_a_light_tenant_is_probed_once_not_every_other_period() -> None:
+    """A notebook using 5 % (guarantee 50) beside a greedy tenant (guarantee 10, cap
+    100). Once it has had room on the card and used 5, it is its own limit: the
+    greedy tenant keeps ~95, and 90 on a recheck every RECHECK_PERIODS. Without
+    that memory it was offered its guarantee again every other period, and the
+    greedy tenant's allowance went 95, 50, 95, 50 (a card ~75 % busy)."""
+    g, c = [10.0, 50.0], [100.0, 50.0]
+    allowed, share = [10.0, 50.0], [10.0, 50.0]
+    settled: list[Settled | None] = [None, None]
+    greedy_allowed = []
+    for _ in range(3 * RECHECK_PERIODS):
+        light = 5.0
+        greedy = min(allowed[0], 100.0 - light)  # it presses whatever it is allowed
+        p = arbitrate_period(g, c, [greedy, light], allowed, share, [True, False], settled)
+        share, allowed, settled = p.shares, p.allowed, p.settled
+        greedy_allowed.append(allowed[0])
+    steady = greedy_allowed[3:]
+    assert min(steady) >= 89 and sum(steady) / len(steady) >= 94, greedy_allowed
+    assert settled[1] is not None and settled[1].level_percent == pytest.approx(5)
+    # it goes idle: forgotten; it comes back squeezed (8 % of a full card): its
+    # guarantee is restored on the first period that sees it
+    p = arbitrate_period(g, c, [95.0, 0.0], allowed, share, [True, False], settled)
+    assert p.settled[1] is None
+    p = arbitrate_period(g, c, [92.0, 8.0], p.allowed, p.shares, [True, False], p.settled)
+    assert p.shares == pytest.approx([50, 50])
+
+
+def test_a_settled_tenant_that_wants_more_is_offered_its_guarantee_again() -> None:
+    g, c = [10.0, 50.0], [100.0, 50.0]
+    # it was its own limit at 5; now it uses 20 of a full card: forgotten, and probed
+    p = arbitrate_period(
+        g, c, [80.0, 20.0], [80.0, 50.0], [80.0, 20.0], [True, False], [None, Settled(5.0)]
+    )
+    assert p.settled[1] is None
+    assert p.shares == pytest.approx([50, 50])
+
+
+def test_a_tenant_that_only_looked_self_limited_gets_its_guarantee_back() -> None:
+    """A greedy tenant (guarantee 50) starved of CPU for a moment used 15 % of a
+    card that had room: it looks self-limited, its neighbours get the rest, and
+    on a full FIFO card they then squeeze it to exactly that level. The recheck
+    offers it a step more; it grows into it and gets its guarantee back."""
+    g, c = [20.0, 30.0, 50.0], [100.0, 100.0, 100.0]
+    allowed, share = [20.0, 30.0, 50.0], [20.0, 30.0, 50.0]
+    p = arbitrate_period(g, c, [20.0, 30.0, 15.0], allowed, share, [True, True, False])
+    assert p.settled[2] == Settled(15.0)
+    share, allowed, settled = p.shares, p.allowed, p.settled
+    got = []
+    for _ in range(RECHECK_PERIODS + 4):
+        neighbours = [min(allowed[0], 100.0), min(allowed[1], 100.0)]
+        squeezed = max(0.0, 100.0 - sum(neighbours))  # it wants the card; it gets what is left
+        a = [*neighbours[:2], squeezed]
+        if sum(a) > 100:
+            a = [x * 100 / sum(a) for x in a]
+        p = arbitrate_period(g, c, a, allowed, share, [True, True, False], settled)
+        share, allowed, settled = p.shares, p.allowed, p.settled
+        got.append(round(a[2], 1))
+    assert got[-1] >= 49, got
 
 
 tenant = st.builds(

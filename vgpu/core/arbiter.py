@@ -35,6 +35,14 @@ PRESS_MARGIN_FRACTION = 0.08
 HEADROOM_PERCENT = 5.0
 # Below this a container counts as idle.
 IDLE_PERCENT = 1.0
+# The containers on a card together achieve at least this much: the card is
+# full, and one below its share may be squeezed rather than want less.
+SATURATED_PERCENT = 95.0
+# A container seen to be its own limit is not offered its guarantee again; every
+# this many periods it is offered HEADROOM_PERCENT more instead. A tenant that
+# only looked self-limited (starved of CPU for a moment) and is now squeezed by
+# neighbours that took its room grows into that step and is then probed fully.
+RECHECK_PERIODS = 10
 _EPS = 1e-9
 
 
@@ -58,6 +66,9 @@ def estimate_demand(
     guarantee_percent: float,
     cap_percent: float,
     throttled: bool | None = None,
+    saturated: bool = False,
+    settled_percent: float | None = None,
+    recheck: bool = False,
 ) -> float:
     """What a container would use, judged from its last period.
 
@@ -65,6 +76,14 @@ def estimate_demand(
       it achieved (about) all it was allowed: it wants as much as it may (its cap).
     - It achieved all of its planned share, but the card was shared: it may be
       squeezed by its neighbours, so it wants at least its guarantee and a step more.
+    - It achieved less than its share on a full card (`saturated`): neighbours
+      whose throttles have not yet come down to their new allowances may be
+      squeezing it (a newcomer, a returning tenant), so it keeps its share.
+    - Neither of the last two while it stays at the level where it was seen to
+      be its own limit (`settled_percent`: below its guarantee with room on the
+      card): probing it again every other period would take its neighbours'
+      allowances down and up and leave the card idle in between. On a
+      `recheck` it is offered a step more than it used instead.
     - Otherwise its own program is the limit: what it achieved, plus headroom
       when that reaches above its guarantee (below it, the allowance already
       leaves room to grow).
@@ -74,8 +93,19 @@ def estimate_demand(
         throttled is None and achieved >= allowed_percent - _press_margin(allowed_percent)
     ):
         return cap_percent
-    if achieved > IDLE_PERCENT and achieved >= share_percent - _press_margin(share_percent):
+    own_limit = settled_percent is not None and achieved <= settled_percent + _press_margin(
+        settled_percent
+    )
+    if own_limit and recheck:
+        return min(cap_percent, achieved + HEADROOM_PERCENT)
+    if (
+        not own_limit
+        and achieved > IDLE_PERCENT
+        and achieved >= share_percent - _press_margin(share_percent)
+    ):
         return min(cap_percent, max(guarantee_percent, share_percent + HEADROOM_PERCENT))
+    if not own_limit and saturated and achieved > IDLE_PERCENT:
+        return min(cap_percent, share_percent)
     if achieved + HEADROOM_PERCENT <= guarantee_percent:
         # Its allowance never falls below its guarantee, so it can grow back to
         # it at once: no headroom is held for it, which would leave capacity
@@ -124,6 +154,100 @@ def allowed_percent(share: float, guarantee_percent: float, cap_percent: float) 
     return min(cap_percent, max(share, guarantee_percent))
 
 
+@dataclass(frozen=True)
+class Settled:
+    """Where a container was last seen to be its own limit, and for how many
+    periods since (then or at its last recheck)."""
+
+    level_percent: float
+    periods: int = 0
+
+
+def settled_level(
+    achieved_percent: float,
+    guarantee_percent: float,
+    total_percent: float,
+    previous: Settled | None,
+) -> Settled | None:
+    """Where a container was seen to be its own limit, after this period: below
+    its guarantee (so below its allowance: its hooks did not hold it) while the
+    card had room for it to reach its guarantee (so no neighbour squeezed it).
+    Forgotten once it is idle (it may come back wanting its guarantee) or uses
+    more than that level; its periods restart when a recheck finds it still
+    there."""
+    achieved = max(0.0, min(CARD_PERCENT, achieved_percent))
+    if achieved <= IDLE_PERCENT:
+        return None
+    room = CARD_PERCENT - total_percent
+    if achieved + HEADROOM_PERCENT <= guarantee_percent and room >= guarantee_percent - achieved:
+        return Settled(achieved)
+    if previous is None:
+        return None
+    if achieved > previous.level_percent + _press_margin(previous.level_percent):
+        return None
+    if previous.periods >= RECHECK_PERIODS:
+        return Settled(previous.level_percent)
+    return Settled(previous.level_percent, previous.periods + 1)
+
+
+@dataclass(frozen=True)
+class Period:
+    """One period's decision on one card, per container in the callers' order."""
+
+    shares: list[float]
+    allowed: list[float]
+    settled: list[Settled | None]  # feed back as `previous_settled` next period
+
+
+def arbitrate_period(
+    guarantees: Sequence[float],
+    caps: Sequence[float],
+    achieved: Sequence[float],
+    previous_allowed: Sequence[float],
+    previous_share: Sequence[float],
+    throttled: Sequence[bool | None] | None = None,
+    previous_settled: Sequence[Settled | None] | None = None,
+) -> Period:
+    """One period on one card: shares, allowances and where each container was
+    seen to be its own limit. `throttled`: whether each container's hooks held
+    launches back (None: unknown)."""
+    n = len(guarantees)
+    held = list(throttled) if throttled is not None else [None] * n
+    before = list(previous_settled) if previous_settled is not None else [None] * n
+    total = sum(max(0.0, a) for a in achieved)
+    saturated = total >= SATURATED_PERCENT
+    tenants = [
+        Tenant(
+            guarantee_percent=g,
+            cap_percent=c,
+            demand_percent=estimate_demand(
+                a,
+                pa,
+                ps,
+                g,
+                c,
+                h,
+                saturated,
+                None if st is None else st.level_percent,
+                st is not None and st.periods >= RECHECK_PERIODS,
+            ),
+        )
+        for g, c, a, pa, ps, h, st in zip(
+            guarantees, caps, achieved, previous_allowed, previous_share, held, before, strict=True
+        )
+    ]
+    shares = share_out(tenants)
+    allowed = [
+        allowed_percent(s, t.guarantee_percent, t.cap_percent)
+        for s, t in zip(shares, tenants, strict=True)
+    ]
+    settled = [
+        settled_level(a, g, total, st)
+        for a, g, st in zip(achieved, guarantees, before, strict=True)
+    ]
+    return Period(shares, allowed, settled)
+
+
 def arbitrate(
     guarantees: Sequence[float],
     caps: Sequence[float],
@@ -132,25 +256,11 @@ def arbitrate(
     previous_share: Sequence[float],
     throttled: Sequence[bool | None] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """One period on one card: (shares, allowances) for every container.
-    `throttled`: whether each container's hooks held launches back (None: unknown)."""
-    held = list(throttled) if throttled is not None else [None] * len(guarantees)
-    tenants = [
-        Tenant(
-            guarantee_percent=g,
-            cap_percent=c,
-            demand_percent=estimate_demand(a, pa, ps, g, c, h),
-        )
-        for g, c, a, pa, ps, h in zip(
-            guarantees, caps, achieved, previous_allowed, previous_share, held, strict=True
-        )
-    ]
-    shares = share_out(tenants)
-    allowed = [
-        allowed_percent(s, t.guarantee_percent, t.cap_percent)
-        for s, t in zip(shares, tenants, strict=True)
-    ]
-    return shares, allowed
+    """One period on one card without memory of past levels: (shares, allowances)."""
+    period = arbitrate_period(
+        guarantees, caps, achieved, previous_allowed, previous_share, throttled
+    )
+    return period.shares, period.allowed
 
 
 # ---- the burst cap ----

@@ -28,7 +28,7 @@ from vgpu.adapters import budget
 from vgpu.adapters.kube import KubePodCache, PodSource
 from vgpu.adapters.kube_events import KubeEvents, NoEvents
 from vgpu.config import Settings
-from vgpu.core.arbiter import CARD_PERCENT, arbitrate, burst_cap
+from vgpu.core.arbiter import CARD_PERCENT, Settled, arbitrate_period, burst_cap
 from vgpu.core.model import CardUuid, Owner, Placement
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class ShareView:
 class _State:
     allowed: dict[CardUuid, float] = field(default_factory=dict)
     share: dict[CardUuid, float] = field(default_factory=dict)
+    settled: dict[CardUuid, Settled | None] = field(default_factory=dict)
     waits: int | None = None  # the hooks' throttle_waits counter last period
 
 
@@ -143,17 +144,22 @@ class Arbiter:
             states = [self._state.setdefault(c.key, _State()) for c in members]
             guarantees = [float(c.guarantee_percent) for c in members]
             caps = [float(max(c.cap_percent, c.guarantee_percent)) for c in members]
-            shares, allowances = arbitrate(
+            period = arbitrate_period(
                 guarantees,
                 caps,
                 achieved,
                 [s.allowed.get(card, g) for s, g in zip(states, guarantees, strict=True)],
                 [s.share.get(card, g) for s, g in zip(states, guarantees, strict=True)],
                 [throttled[c.key] for c in members],
+                [s.settled.get(card) for s in states],
             )
-            for c, s, a, sh, ach in zip(members, states, allowances, shares, achieved, strict=True):
+            shares, allowances = period.shares, period.allowed
+            for c, s, a, sh, ach, st in zip(
+                members, states, allowances, shares, achieved, period.settled, strict=True
+            ):
                 s.allowed[card] = a
                 s.share[card] = sh
+                s.settled[card] = st
                 allowed.setdefault(c.key, []).append(a)
                 achieved_of[c.key] = max(achieved_of.get(c.key, 0.0), ach)
                 share_of[c.key] = max(share_of.get(c.key, 0.0), sh)
