@@ -72,6 +72,7 @@ def num_feasible_nodes_to_find(all_nodes: int, percentage_of_nodes_to_score: int
     return max(MIN_FEASIBLE_NODES_TO_FIND, all_nodes * percentage // 100)
 
 
+MAX_KNOWN_PODS = 50_000  # pods whose requests are kept worked out
 MAX_ANSWER_BYTES = 64 * 2**20  # an extender's or the API server's answer
 _HEADERS = {
     "Content-Type": "application/json",
@@ -179,6 +180,7 @@ class SchedulerStandIn:
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(bind_workers, thread_name_prefix="sim-sched-bind")
         self._conns = threading.local()  # kept-alive HTTP connections, per thread
+        self._requests_of: dict[str, dict[str, int]] = {}  # pod uid -> effective requests
 
     # ------------------------------------------------------------ lifecycle
 
@@ -259,7 +261,20 @@ class SchedulerStandIn:
         return False
 
     def _requests(self, pod: dict[str, Any]) -> dict[str, int]:
-        """Effective request per managed resource: max(largest init, sum of apps)."""
+        """Effective request per managed resource: max(largest init, sum of apps),
+        worked out once per pod (a pod's resources never change; its UID names
+        it for its life), as kube-scheduler keeps it in its cache."""
+        uid = pod["metadata"].get("uid", "")
+        if not uid:
+            return self._work_out_requests(pod)
+        known = self._requests_of.get(uid)
+        if known is None:
+            if len(self._requests_of) > MAX_KNOWN_PODS:
+                self._requests_of.clear()
+            known = self._requests_of[uid] = self._work_out_requests(pod)
+        return known
+
+    def _work_out_requests(self, pod: dict[str, Any]) -> dict[str, int]:
         spec = pod.get("spec") or {}
 
         def asked(c: dict[str, Any]) -> dict[str, int]:
