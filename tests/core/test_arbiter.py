@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,7 +13,6 @@ from vgpu.core.arbiter import (
     Settled,
     Tenant,
     allowed_percent,
-    arbitrate,
     arbitrate_period,
     burst_cap,
     estimate_demand,
@@ -74,6 +75,12 @@ def test_allowed_never_below_guarantee_nor_above_cap() -> None:
     assert allowed_percent(5, 30, 100) == 30
     assert allowed_percent(70, 30, 100) == 70
     assert allowed_percent(70, 30, 50) == 50
+
+
+def arbitrate(*args: Any) -> tuple[list[float], list[float]]:
+    """One period without memory of past levels: (shares, allowances)."""
+    period = arbitrate_period(*args)
+    return period.shares, period.allowed
 
 
 def test_arbitrate_converges_for_a_greedy_neighbour() -> None:

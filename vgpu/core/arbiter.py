@@ -248,21 +248,6 @@ def arbitrate_period(
     return Period(shares, allowed, settled)
 
 
-def arbitrate(
-    guarantees: Sequence[float],
-    caps: Sequence[float],
-    achieved: Sequence[float],
-    previous_allowed: Sequence[float],
-    previous_share: Sequence[float],
-    throttled: Sequence[bool | None] | None = None,
-) -> tuple[list[float], list[float]]:
-    """One period on one card without memory of past levels: (shares, allowances)."""
-    period = arbitrate_period(
-        guarantees, caps, achieved, previous_allowed, previous_share, throttled
-    )
-    return period.shares, period.allowed
-
-
 # ---- the burst cap ----
 
 
