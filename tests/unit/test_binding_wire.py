@@ -105,7 +105,8 @@ def test_binds_on_kept_alive_connections_carry_the_assignment(
     for i in range(5):
         assert pods[f"p{i}"]["spec"]["nodeName"] == "n1"
         assert json.loads(pods[f"p{i}"]["metadata"]["annotations"][KEY])["i"] == i
-    pool = binder._pool_of
+    target = binder._pool_target
+    pool = target.pool if target is not None else None
     assert pool is not None and pool.num_connections == 1  # one connection, reused
 
 
@@ -129,7 +130,8 @@ def test_a_burst_of_concurrent_binds_keeps_its_connections(
         t.join()
     assert all(p["spec"].get("nodeName") == "n1" for p in server.pods())
     assert not [r for r in caplog.records if "pool is full" in r.getMessage()]
-    pool = binder._pool_of
+    target = binder._pool_target
+    pool = target.pool if target is not None else None
     kept = [c for c in list(pool.pool.queue) if c is not None] if pool is not None else []
     assert pool is not None and len(kept) == pool.num_connections  # every one came back
 

@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Protocol
@@ -293,6 +294,14 @@ class ClusterCache:
                 backoff = min(backoff * 2, self.backoff_max_s)
 
 
+@dataclass(frozen=True)
+class _PoolTarget:
+    pool: Any  # urllib3 HTTP(S)ConnectionPool
+    base: str  # the configuration's host URL it was made for
+    base_path: str
+    host: str  # the Host header
+
+
 class KubeBinder:
     """A bind's one API write (a Binding carrying the assignment), bounded by `timeout_s`."""
 
@@ -363,15 +372,21 @@ class KubeBinder:
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
         what = f"binding pod {namespace}/{name} to {node}"
-        pool = self._pool(api.api_client)
-        if pool is not None:
-            self._bind_on_pool(what, api.api_client, pool, namespace, name, body)
+        target = self._target(api.api_client)
+        if target is not None:
+            self._bind_on_pool(what, api.api_client, target, namespace, name, body)
             return
         # The answer is a Status, not a Binding: never let the client decode it.
         self._call(what, lambda: self._post_binding(api, namespace, name, body))
 
     def _bind_on_pool(
-        self, what: str, client: Any, pool: Any, namespace: str, name: str, body: dict[str, Any]
+        self,
+        what: str,
+        client: Any,
+        target: _PoolTarget,
+        namespace: str,
+        name: str,
+        body: dict[str, Any],
     ) -> None:
         """The Binding as one write on a connection of the client's own urllib3
         pool (its TLS settings and kept-alive connections), with the client's
@@ -380,8 +395,9 @@ class KubeBinder:
         urllib3's request and response layers (and http.client's email-based
         header parser) a bind cost ~600 us of CPU in ~840 Python calls, and its
         head and body went out as two sends, waking the API server twice."""
+        pool = target.pool
         path = (
-            f"{self._base_path}/api/v1/namespaces/{quote(namespace, safe='')}"
+            f"{target.base_path}/api/v1/namespaces/{quote(namespace, safe='')}"
             f"/pods/{quote(name, safe='')}/binding"
         )
         headers: dict[str, str] = {
@@ -393,7 +409,7 @@ class KubeBinder:
             headers["Cookie"] = str(client.cookie)
         client.update_params_for_auth(headers, [], ["BearerToken"], path, "POST", body)
         try:
-            request = request_bytes("POST", path, self._host, headers, json.dumps(body).encode())
+            request = request_bytes("POST", path, target.host, headers, json.dumps(body).encode())
             status, data, resent = self._exchange(pool, request)
             if resent and status == 409 and self._landed(namespace, name, body):
                 return  # the first write did land: the 409 is its own bind
@@ -486,17 +502,15 @@ class KubeBinder:
         )
         return client.call_api(*request, _request_timeout=self.timeout_s)
 
-    _pool_base = ""
-    _pool_of: Any = None
-    _base_path = ""
-    _host = ""
+    _pool_target: _PoolTarget | None = None
 
-    def _pool(self, client: Any) -> Any:
-        """The client's own urllib3 connection pool for its API server, looked up
-        once (and again if the manager closed it). None where the client goes
-        through a proxy (a ProxyManager), has no pool manager, or the pool lacks
-        the connection checkout this adapter uses: then the client's call_api
-        does it all."""
+    def _target(self, client: Any) -> _PoolTarget | None:
+        """The client's own urllib3 connection pool for its API server, with the
+        path and Host it needs, looked up once (and again if the manager closed
+        the pool); one object, replaced whole, so binds running at once never
+        see half of it. None where the client goes through a proxy (a
+        ProxyManager), has no pool manager, or the pool lacks the connection
+        checkout this adapter uses: then the client's call_api does it all."""
         import urllib3
 
         manager = getattr(getattr(client, "rest_client", None), "pool_manager", None)
@@ -505,13 +519,16 @@ class KubeBinder:
         ):
             return None
         base = str(client.configuration.host).rstrip("/")
-        if self._pool_of is None or self._pool_base != base or self._pool_of.pool is None:
+        target = self._pool_target
+        if target is None or target.base != base or target.pool.pool is None:
             pool = manager.connection_from_url(base)
             if not (hasattr(pool, "_get_conn") and hasattr(pool, "_put_conn")):
                 return None
             url = urlsplit(base)
-            self._pool_of = pool
-            self._pool_base = base
-            self._base_path = url.path.rstrip("/")  # e.g. a proxy's /k8s/clusters/<id>
-            self._host = url.netloc.rpartition("@")[2]
-        return self._pool_of
+            target = self._pool_target = _PoolTarget(
+                pool=pool,
+                base=base,
+                base_path=url.path.rstrip("/"),  # e.g. a proxy's /k8s/clusters/<id>
+                host=url.netloc.rpartition("@")[2],
+            )
+        return target
