@@ -32,7 +32,7 @@ KEY = f"{DOMAIN}/vgpu-assignment"
 
 
 def parse(raw: bytes, limit: int = 1024) -> tuple[int, dict[str, str], bytes, bool]:
-    return read_response(io.BufferedReader(io.BytesIO(raw)), limit)  # type: ignore[arg-type]
+    return read_response(io.BufferedReader(io.BytesIO(raw)), limit)
 
 
 def test_content_length_chunked_and_close_delimited_bodies() -> None:
@@ -56,6 +56,13 @@ def test_content_length_chunked_and_close_delimited_bodies() -> None:
         (b"", ConnectionError, "before answering"),
         (b"SMTP ready\r\n\r\n", WireError, "bad status line"),
         (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", WireError, "malformed header"),
+        (b"HTTP/1.1 200 OK\r\nHost : x\r\n\r\n", WireError, "malformed header"),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+            WireError,
+            "conflicting Content-Length",
+        ),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n", ConnectionError, "mid-answer"),
         (b"HTTP/1.1 200 OK\r\n" + b"A: b\r\n" * 101 + b"\r\n", WireError, "more than 100"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 5000\r\n\r\n", WireError, "longer than 1024"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", ConnectionError, "mid-answer"),

@@ -33,6 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from json.encoder import encode_basestring_ascii
 from typing import Any, Protocol, cast
 
+from vgpu.adapters.httpwire import MAX_LINE_BYTES, HeaderError, read_headers
 from vgpu.adapters.kube import container_specs
 from vgpu.core.model import ContainerSpec
 from vgpu.core.scheduling import MAX_SCORE, FilterVerdict
@@ -40,8 +41,6 @@ from vgpu.core.scheduling import MAX_SCORE, FilterVerdict
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a 5,000-node NodeList fits
-MAX_LINE_BYTES = 65536  # request line or one header line
-MAX_HEADERS = 100
 VERBS = ("filter", "prioritize", "bind")
 
 
@@ -253,26 +252,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(400, b"bad request line: send METHOD PATH HTTP/1.1\n", "text/plain")
             return
         self.command, self.path, self.request_version = parts
-        headers = self._hdrs
-        for _ in range(MAX_HEADERS + 1):
-            raw = self.rfile.readline(MAX_LINE_BYTES + 1)
-            if len(raw) > MAX_LINE_BYTES:
-                self._send(431, b"header line too long\n", "text/plain")
-                return
-            if raw in (b"\r\n", b"\n", b""):
-                break
-            name, sep, value = raw.decode("latin-1").partition(":")
-            if not sep or not name.strip() or name != name.strip():
-                self._send(400, b"malformed header line\n", "text/plain")
-                return
-            key, value = name.lower(), value.strip()
-            if key == "content-length" and headers.get(key, value) != value:
-                self._send(400, b"conflicting Content-Length headers\n", "text/plain")
-                return
-            headers[key] = value
-        else:
-            self._send(431, f"more than {MAX_HEADERS} headers\n".encode(), "text/plain")
+        try:
+            headers, _ = read_headers(self.rfile)
+        except HeaderError as exc:
+            self._send(exc.status, f"{exc}\n".encode(), "text/plain")
             return
+        self._hdrs = headers
         connection = headers.get("connection", "").lower()
         self.close_connection = connection == "close" or (
             self.request_version == "HTTP/1.0" and connection != "keep-alive"

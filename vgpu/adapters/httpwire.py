@@ -11,15 +11,31 @@ request is one write and the response one bounded parse.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import BinaryIO
+from typing import Protocol
 
 MAX_LINE_BYTES = 65536
 MAX_HEADERS = 100
 MAX_CHUNK_LINE_BYTES = 1024
 
 
+class Reader(Protocol):
+    """A buffered byte stream: a socket's makefile("rb"), a server's rfile."""
+
+    def readline(self, size: int, /) -> bytes: ...
+
+    def read(self, size: int, /) -> bytes: ...
+
+
 class WireError(ValueError):
     """The peer's answer is not a well-formed HTTP/1.1 response (or too large)."""
+
+
+class HeaderError(WireError):
+    """A header block over the bounds (`status` 431) or malformed (400)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class NoAnswer(ConnectionError):
@@ -41,14 +57,39 @@ def request_bytes(
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
-def _line(reader: BinaryIO, limit: int, what: str) -> bytes:
+def _line(reader: Reader, limit: int, what: str) -> bytes:
     line = reader.readline(limit + 1)
     if len(line) > limit:
         raise WireError(f"{what} is longer than {limit} bytes")
     return line
 
 
-def read_response(reader: BinaryIO, max_body_bytes: int) -> tuple[int, dict[str, str], bytes, bool]:
+def read_headers(reader: Reader) -> tuple[dict[str, str], bool]:
+    """One header block, requests' and responses' alike: (the headers with
+    lower-case names, whether the blank line that ends the block came; False
+    where the peer's stream ended first). HeaderError past MAX_LINE_BYTES per
+    line or MAX_HEADERS lines, on a line without a colon or with space around
+    the name, and on two different Content-Length values."""
+    headers: dict[str, str] = {}
+    for _ in range(MAX_HEADERS + 1):
+        raw = reader.readline(MAX_LINE_BYTES + 1)
+        if len(raw) > MAX_LINE_BYTES:
+            raise HeaderError(431, f"header line too long (longer than {MAX_LINE_BYTES} bytes)")
+        if raw in (b"\r\n", b"\n"):
+            return headers, True
+        if not raw:
+            return headers, False
+        name, sep, value = raw.decode("latin-1").partition(":")
+        if not sep or not name.strip() or name != name.strip():
+            raise HeaderError(400, f"malformed header line {raw[:100]!r}")
+        key, value = name.lower(), value.strip()
+        if key == "content-length" and headers.get(key, value) != value:
+            raise HeaderError(400, "conflicting Content-Length headers")
+        headers[key] = value
+    raise HeaderError(431, f"more than {MAX_HEADERS} headers")
+
+
+def read_response(reader: Reader, max_body_bytes: int) -> tuple[int, dict[str, str], bytes, bool]:
     """(status, headers with lower-case names, body, whether the connection must
     close afterwards). ConnectionError where the peer closed before an answer
     began or in the middle of one; WireError on a malformed or oversized one."""
@@ -62,19 +103,9 @@ def read_response(reader: BinaryIO, max_body_bytes: int) -> tuple[int, dict[str,
     if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
         raise WireError(f"bad status line {line[:100]!r}")
     status = int(rest[:3])
-    headers: dict[str, str] = {}
-    for _ in range(MAX_HEADERS + 1):
-        raw = _line(reader, MAX_LINE_BYTES, "a header line")
-        if raw in (b"\r\n", b"\n"):
-            break
-        if not raw:
-            raise ConnectionError("the server closed the connection mid-answer")
-        name, sep, value = raw.decode("latin-1").partition(":")
-        if not sep:
-            raise WireError(f"malformed header line {raw[:100]!r}")
-        headers[name.strip().lower()] = value.strip()
-    else:
-        raise WireError(f"more than {MAX_HEADERS} header lines")
+    headers, complete = read_headers(reader)
+    if not complete:
+        raise ConnectionError("the server closed the connection mid-answer")
     close = headers.get("connection", "").lower() == "close" or version == "HTTP/1.0"
     if status in (204, 304) or 100 <= status < 200:
         return status, headers, b"", close
