@@ -339,6 +339,14 @@ static uint64_t marker_bytes(uint64_t previous)
     }
 }
 
+static int markers; /* marker allocations made (trace profile) */
+
+/* Whether usedGpuMemory `high` is at least `bytes` above `low` (both listed). */
+static int rose_by(unsigned long long low, unsigned long long high, uint64_t bytes)
+{
+    return low < GONE && high < GONE && high >= low && high - low >= bytes;
+}
+
 /* One marker: pushes our context, allocates through the real driver (the
  * budget is not charged: this memory is gone again before we return), and
  * compares each candidate's memory with it to `m0`, the caller's list from
@@ -347,8 +355,6 @@ static uint64_t marker_bytes(uint64_t previous)
  * list per marker, not three: hundreds of processes mark at once in a storm,
  * and each list is O(processes) on the driver.  The index of the one
  * candidate it shows, else -1. */
-static int markers; /* marker allocations made (trace profile) */
-
 static int mark_once(const struct candidates *c, nvmlProcessInfo_v2_t *buf, uint64_t bytes,
                      const unsigned long long *m0)
 {
@@ -366,16 +372,15 @@ static int mark_once(const struct candidates *c, nvmlProcessInfo_v2_t *buf, uint
     if (rc == CUDA_SUCCESS)
         VGPU_REAL(cuMemFree_v2, ptr);
     /* Grew by the marker. */
-    int grew = 0, grew_at = -1;
+    int grew = 0, grew_at = -1, grown[MAX_CANDIDATES];
     for (int i = 0; seen && i < c->n; i++)
-        if (m0[i] < GONE && m1[i] < GONE && m1[i] >= m0[i] && m1[i] - m0[i] >= bytes)
+        if ((grown[i] = rose_by(m0[i], m1[i], bytes)))
             grew++, grew_at = i;
     /* Where several did, the one that also shrank by it when it was freed. */
     int shrank = 0, shrank_at = -1;
     if (grew > 1 && candidate_memory(c, buf, m2) == 0)
         for (int i = 0; i < c->n; i++)
-            if (m0[i] < GONE && m1[i] < GONE && m1[i] >= m0[i] && m1[i] - m0[i] >= bytes &&
-                m2[i] < GONE && m2[i] <= m1[i] && m1[i] - m2[i] >= bytes)
+            if (grown[i] && rose_by(m2[i], m1[i], bytes))
                 shrank++, shrank_at = i;
     pop(&popped);
     if (!seen)
