@@ -311,24 +311,23 @@ def _cpu_s(process: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
+# Thread name prefixes -> their role in the bench process.
+THREAD_ROLES = (
+    ("sim-scheduler", "scheduling cycle"),
+    ("sim-sched-bind", "binding cycles"),
+    (APISERVER_THREADS, "API server"),
+)
+
+
 def _thread_cpu_s() -> dict[str, float]:
     """CPU seconds of this process's threads, summed by role (the stand-in's
     scheduling thread, its binding workers, the fake API server's connections)."""
-    roles = {}
-    for t in threading.enumerate():
-        name = t.name
-        role = (
-            "scheduling cycle"
-            if name == "sim-scheduler"
-            else "binding cycles"
-            if name.startswith("sim-sched-bind")
-            else "API server"
-            if name.startswith(APISERVER_THREADS)
-            else "other"
-        )
-        if t.native_id is not None:
-            roles[t.native_id] = role
-    out = dict.fromkeys(("scheduling cycle", "binding cycles", "API server", "other"), 0.0)
+    roles = {
+        t.native_id: next((r for prefix, r in THREAD_ROLES if t.name.startswith(prefix)), "other")
+        for t in threading.enumerate()
+        if t.native_id is not None
+    }
+    out = dict.fromkeys([r for _, r in THREAD_ROLES] + ["other"], 0.0)
     for thread in psutil.Process().threads():
         out[roles.get(thread.id, "other")] += _thread_cpu(thread)
     return out
