@@ -215,9 +215,7 @@ class SchedulerStandIn:
             # deep copies of every pod on each pass made this loop's pace swing
             # with the machine's load.
             pods = self.api.pods_view()
-            nodes = [
-                n for n in self.api.nodes_view() if not (n.get("spec") or {}).get("unschedulable")
-            ]
+            nodes = self._schedulable_nodes()
             used = self._bound_usage(pods)
             for pod in pods:
                 spec, meta = pod.get("spec") or {}, pod["metadata"]
@@ -235,6 +233,10 @@ class SchedulerStandIn:
                 if self._stop.is_set():
                     return
                 self._schedule_one(pod, nodes, used)
+
+    def _schedulable_nodes(self) -> list[dict[str, Any]]:
+        """The nodes not cordoned (shared views, as kube-scheduler's cache gives)."""
+        return [n for n in self.api.nodes_view() if not (n.get("spec") or {}).get("unschedulable")]
 
     def _backoff(self, uid: str, error: str) -> None:
         with self._lock:
@@ -365,9 +367,7 @@ class SchedulerStandIn:
         with self._lock:
             self._pods.setdefault(uid, _PodState()).attempts += 1
         if nodes is None:
-            nodes = [
-                n for n in self.api.nodes_view() if not (n.get("spec") or {}).get("unschedulable")
-            ]
+            nodes = self._schedulable_nodes()
         feasible, reasons = self._find_feasible(pod, nodes, used)
         interested = self.interested(pod)
         try:
