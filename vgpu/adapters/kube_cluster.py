@@ -294,6 +294,14 @@ class ClusterCache:
                 backoff = min(backoff * 2, self.backoff_max_s)
 
 
+def _status_message(body: str | bytes | None) -> str:
+    """The `message` of an API server's Status answer ("" if it has none)."""
+    try:
+        return str(json.loads(body or "{}").get("message") or "")
+    except (ValueError, AttributeError):
+        return ""
+
+
 @dataclass(frozen=True)
 class _PoolTarget:
     pool: Any  # urllib3 HTTP(S)ConnectionPool
@@ -324,11 +332,7 @@ class KubeBinder:
         try:
             reply = fn()
         except ApiException as exc:
-            detail = ""
-            try:
-                detail = str(json.loads(exc.body or "{}").get("message") or "")
-            except (ValueError, AttributeError):
-                detail = str(exc.reason or "")
+            detail = _status_message(exc.body)
             raise BindError(f"{what}: HTTP {exc.status}: {detail or exc.reason}") from None
         except Exception as exc:  # urllib3, socket and client errors alike
             from vgpu.adapters.kube_errors import api_error_text
@@ -419,10 +423,7 @@ class KubeBinder:
             text = api_error_text(exc, str(client.configuration.host))
             raise BindError(f"{what}: {text}; the scheduler retries the pod") from None
         if not 200 <= status <= 299:
-            try:
-                detail = str(json.loads(data or b"{}").get("message") or "")
-            except (ValueError, AttributeError):
-                detail = ""
+            detail = _status_message(data)
             phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else ""
             raise BindError(f"{what}: HTTP {status}: {detail or phrase}")
 
