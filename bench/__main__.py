@@ -210,7 +210,14 @@ def _rows_extender(r: Json) -> list[list[str]]:
                 f"{r['p99_ratio_vs_null'][verb]:.1f}",
             ]
         )
+    pick = r["vgpu_picking"]
+    for verb in ("filter", "bind"):
+        v = pick[verb]
+        rows.append(
+            [f"{verb}, picking (ms)", f"{v['p50_ms']:.2f}", f"{v['p99_ms']:.2f}", "", "", ""]
+        )
     rows.append(["pods/s", str(r["vgpu"]["pods_per_s"]), "", str(r["null"]["pods_per_s"]), "", ""])
+    rows.append(["pods/s, picking", str(pick["pods_per_s"]), "", "", "", ""])
     rows.append(["RSS MiB", str(r["rss_mib"]), "", "", "", ""])
     return rows
 

@@ -5,7 +5,8 @@ In-process, through the extender's own HTTP edge code (JSON in -> decision ->
 JSON out, the socket left out): filter and prioritize over the full node list
 (NodeNames, as kube-scheduler sends with nodeCacheCapable), bind with the API
 writes replaced by a do-nothing binder, and pods/s through filter ->
-prioritize -> bind. A do-nothing extender (every node passes, every score 0,
+prioritize -> bind (node_choice "scheduler"), and again with node_choice
+"extender" (filter answers one node: filter -> bind). A do-nothing extender (every node passes, every score 0,
 every bind succeeds) through the same edge gives the ratio. Then the real
 `vgpu extender` runs as a subprocess against the fake API server holding the
 same nodes and pods, for its resident memory once its caches are synced.
@@ -152,8 +153,11 @@ def cluster(
     return node_json, pods
 
 
-def _service(node_json: list[dict[str, Any]], pods: list[dict[str, Any]]) -> ExtenderService:
-    service = ExtenderService(DOMAIN, Policy.BINPACK, NullBinder())
+def _service(
+    node_json: list[dict[str, Any]], pods: list[dict[str, Any]], *, pick_node: bool = False
+) -> ExtenderService:
+    """node_choice "scheduler" (every verb on every pod) unless `pick_node`."""
+    service = ExtenderService(DOMAIN, Policy.BINPACK, NullBinder(), pick_node=pick_node)
     service.nodes_listed({n["metadata"]["name"]: node_inventory(n, DOMAIN) for n in node_json})
     service.pods_listed([pod_info(p, DOMAIN) for p in pods])
     service.synced("nodes", True)
@@ -314,9 +318,14 @@ def run(nodes: int = 1000, slices: int = 20000, pods: int = 400, cold: int = 12)
     service = _service(node_json, running)
     ours = ExtenderHttp(service, DOMAIN, "127.0.0.1:0")
     null = ExtenderHttp(NullExtender(), DOMAIN, "127.0.0.1:0")
+    picking = _service(node_json, running, pick_node=True)
+    ours_pick = ExtenderHttp(picking, DOMAIN, "127.0.0.1:0")
     try:
         vgpu_stream = _stream(ours, service, names, arriving)
         null_stream = _stream(null, None, names, arriving)
+        # node_choice "extender": filter answers one node (and holds its room),
+        # so no prioritize; the same pods from the same start.
+        pick_stream = _stream(ours_pick, picking, names, arriving)
         # Shapes never seen before: every node's answer is computed afresh.
         fresh: dict[str, list[float]] = {"filter": [], "prioritize": []}
         for i in range(cold):
@@ -342,6 +351,7 @@ def run(nodes: int = 1000, slices: int = 20000, pods: int = 400, cold: int = 12)
         ]
     finally:
         ours.close()
+        ours_pick.close()
         null.close()
     rss = _rss(node_json, running)
     ratio = {
@@ -350,6 +360,12 @@ def run(nodes: int = 1000, slices: int = 20000, pods: int = 400, cold: int = 12)
     }
     targets = [
         Target("filter p99, full node list", vgpu_stream["filter"]["p99_ms"], FILTER_P99_MS, "ms"),
+        Target(
+            "filter p99 picking the node, full node list",
+            pick_stream["filter"]["p99_ms"],
+            FILTER_P99_MS,
+            "ms",
+        ),
         Target(
             "prioritize p99, full node list",
             vgpu_stream["prioritize"]["p99_ms"],
@@ -373,6 +389,7 @@ def run(nodes: int = 1000, slices: int = 20000, pods: int = 400, cold: int = 12)
         "cards": nodes * 8,
         "running_slices": slices,
         "vgpu": vgpu_stream,
+        "vgpu_picking": pick_stream,
         "null": null_stream,
         "p99_ratio_vs_null": ratio,
         "new_shape": {verb: _stats(values) for verb, values in fresh.items()},

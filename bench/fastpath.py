@@ -348,7 +348,12 @@ def _per_pod_ms(before: dict[str, float], after: dict[str, float], pods: int) ->
     return {k: round(1000 * (after[k] - before.get(k, 0.0)) / max(pods, 1), 2) for k in after}
 
 
-def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json:
+def extender(
+    nodes: int = 200, pods: int = 1000, limit_s: float = 120.0, node_choice: str = "extender"
+) -> Json:
+    """`node_choice` is the extender's: "extender" (its default; filter answers
+    one node, so the stand-in skips prioritize) or "scheduler" (filter,
+    prioritize and bind for every pod)."""
     rng = random.Random(5)
     shapes = [rng.choice(SHAPES) for _ in range(pods)]
     node_json = _nodes(nodes)
@@ -393,7 +398,9 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
     port = free_port()
     log = open(root / "extender.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        extender_command(kubeconfig, port), stdout=log, stderr=subprocess.STDOUT
+        extender_command(kubeconfig, port, "--node-choice", node_choice),
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     scheduler: SchedulerStandIn | None = None
     try:
@@ -442,6 +449,7 @@ def extender(nodes: int = 200, pods: int = 1000, limit_s: float = 120.0) -> Json
     return {
         "nodes": nodes,
         "cards": nodes * 8,
+        "node_choice": node_choice,
         "pods": pods,
         "baseline": {
             "bound": base_bound,
@@ -514,7 +522,10 @@ if __name__ == "__main__":  # pragma: no cover
         "node": lambda: node(int(sys.argv[2]) if len(sys.argv) > 2 else 200),
         "checkpoint": checkpoint_sizes,
         "listandwatch": listandwatch,
-        "extender": lambda: extender(*(int(a) for a in sys.argv[2:])),
+        "extender": lambda: extender(
+            *(int(a) for a in sys.argv[2:4]),
+            **({"node_choice": sys.argv[4]} if len(sys.argv) > 4 else {}),
+        ),
         "all": run,
     }
     print(json.dumps(fns[section](), indent=1))

@@ -287,6 +287,7 @@ def chart_schema() -> dict[str, Any]:
                             "port": PORT,
                             "metricsPort": PORT,
                             "policy": {"enum": ["binpack", "spread"]},
+                            "nodeChoice": {"enum": ["extender", "scheduler"]},
                             "weight": {"type": "integer", "minimum": 1, "maximum": 100},
                             "httpTimeout": {"type": "string", "pattern": r"^[0-9]+(ms|s|m)$"},
                             "bindTimeoutS": {"type": "number", "exclusiveMinimum": 0},

@@ -98,7 +98,11 @@ def test_bench_quick_writes_every_section(tmp_path: Path) -> None:
     assert ext["vgpu"]["bound"] > 0 and ext["rss_mib"] > 0
     for verb in ("filter", "prioritize", "bind"):
         assert ext["vgpu"][verb]["p99_ms"] >= ext["vgpu"][verb]["p50_ms"] > 0
-    assert len(ext["targets"]) == 5
+    picking = ext["vgpu_picking"]  # filter answers one node: no prioritize
+    assert picking["prioritize"]["requests"] == 0 and picking["bound"] > 0
+    assert picking["bound"] + picking["unschedulable"] == picking["pods"]  # no bind refused
+    assert picking["filter"]["p99_ms"] >= picking["filter"]["p50_ms"] > 0
+    assert len(ext["targets"]) == 6
 
     hook = sections["webhook"]
     for name in ("validate", "mutate"):
@@ -117,6 +121,8 @@ def test_bench_quick_writes_every_section(tmp_path: Path) -> None:
     e2e = fast["extender"]
     assert e2e["vgpu"]["bound"] == e2e["pods"] and e2e["baseline"]["bound"] == e2e["pods"]
     assert e2e["burst"]["bound"] == e2e["burst"]["pods"] and e2e["overcommitted_cards"] == 0
+    # The extender picks the node at filter: the stand-in never needs prioritize.
+    assert e2e["node_choice"] == "extender" and e2e["scheduler_calls"]["prioritize"] == 0
     roles = e2e["bench_cpu_ms_per_pod_by_role"]  # the threads were told apart
     assert roles["baseline"]["API server"] > 0 and roles["with_extender"]["scheduling cycle"] > 0
 

@@ -184,6 +184,7 @@ class ExtenderSettings:
     log_format: str = "text"
     log_level: str = "info"
     bind_timeout_s: float = 5.0
+    node_choice: str = "extender"
 
     def public(self) -> dict[str, Any]:
         return _public(self)
@@ -199,6 +200,11 @@ EXTENDER_KEYS: dict[str, str] = {
     "log_format": KEYS["log_format"],
     "log_level": KEYS["log_level"],
     "bind_timeout_s": "longest wait for each API call at bind (0.1-30); the bind then fails",
+    "node_choice": (
+        "extender (filter answers the one node the policy picks: one round trip per pod) or "
+        "scheduler (filter keeps every node that fits; prioritize scores them and "
+        "kube-scheduler weighs the score with its own plugins' scores)"
+    ),
 }
 
 
@@ -262,6 +268,10 @@ def _convert(key: str, value: Any, source: str) -> Any:
         return tuple(sorted({_int(i, 1, 1000, bad) for i in items if str(i).strip() != ""}))
     if key == "bind_timeout_s":
         return _float(value, 0.1, 30.0, bad)
+    if key == "node_choice":
+        if value not in ("extender", "scheduler"):
+            raise bad("extender or scheduler")
+        return value
     if key in ("metrics_address", "listen"):
         match = _ADDRESS_RE.match(str(value))
         if not match or not 0 < int(match.group(2)) < 65536:

@@ -265,6 +265,34 @@ def test_prioritize_by_policy() -> None:
     assert binpack["nowhere"] == 0 and all(0 <= s <= 10 for s in binpack.values())
 
 
+def test_pick_takes_the_policys_node_exactly() -> None:
+    b = book("a", "b", "c", "empty")
+    # a: 49 % of one card used, b: 51 %, c: 51 % (b's twin, later in the list).
+    b.set_pod(pod((49, 100), node="a", placements={"c0": (uuid(0),)}))
+    b.set_pod(pod((51, 100), node="b", placements={"c0": (uuid(0),)}))
+    b.set_pod(pod((51, 100), node="c", placements={"c0": (uuid(0),)}))
+    asked = specs((10, 20))
+    scores = dict(b.prioritize(asked, ["a", "b"], Policy.BINPACK))
+    assert scores["a"] == scores["b"]  # prioritize's 0-10 cannot tell them apart
+    assert b.pick(asked, ["a", "b", "c", "empty"], Policy.BINPACK) == "b"  # fullest, first
+    assert b.pick(asked, ["c", "b", "a", "empty"], Policy.BINPACK) == "c"  # ties: list order
+    assert b.pick(asked, ["a", "b", "c", "empty"], Policy.SPREAD) == "empty"
+    assert b.pick(asked, ["nowhere", "a"], Policy.BINPACK) == "a"  # unknown nodes never win
+    assert b.pick(asked, ["only"], Policy.BINPACK) == "only"
+    assert b.pick(asked, [], Policy.BINPACK) == ""
+
+
+def test_pick_follows_the_book_as_it_changes() -> None:
+    b = book("a", "b")
+    asked = specs((30, 20))
+    first = pod((60, 100), node="a", placements={"c0": (uuid(0),)})
+    b.set_pod(first)
+    assert b.pick(asked, ["b", "a"], Policy.BINPACK) == "a"
+    b.remove_pod(first.uid)  # the memo of "a" is stale now: the answer must follow
+    b.set_pod(pod((60, 100), node="b", placements={"c0": (uuid(0),)}))
+    assert b.pick(asked, ["a", "b"], Policy.BINPACK) == "b"
+
+
 # -------------------------------------------------------------- properties
 
 slices = st.tuples(st.integers(1, 99), st.integers(1, 561)) | st.tuples(

@@ -51,7 +51,7 @@ def _pod(name: str, core: int, mem: int, **kw: Any) -> dict[str, Any]:
 
 
 class Extender:
-    def __init__(self, api: FakeApiServer, root: Path) -> None:
+    def __init__(self, api: FakeApiServer, root: Path, *extra: str) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         kubeconfig = root / "kubeconfig"
@@ -66,6 +66,7 @@ class Extender:
                     f"127.0.0.1:{self.metrics_port}",
                     "--bind-timeout-s",
                     "1",
+                    *extra,
                 ),
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -441,3 +442,41 @@ def test_a_pod_asking_no_vgpu_resource_passes_everywhere(ext: Extender) -> None:
     assert result["NodeNames"] == ["n-free", "n-full", "n-cpu"]
     assert not result["FailedNodes"] and not result["FailedAndUnresolvableNodes"]
     assert {e["Score"] for e in ext.post("prioritize", _args(pod, ["n-free", "n-cpu"]))} == {0}
+
+
+def _picked(ext: Extender) -> float:
+    status, data = ext.request("GET", "/metrics", port=ext.metrics_port)
+    assert status == 200
+    line = next(x for x in data.decode().splitlines() if x.startswith("vgpu_extender_picked_pods "))
+    return float(line.split()[1])
+
+
+def test_filter_answers_the_one_node_it_picks_and_holds_its_room(ext: Extender) -> None:
+    # 10 % fits both vgpu nodes: binpack picks the fuller, and holds the room
+    # there until the bind (kube-scheduler, seeing one node, skips prioritize).
+    pod = _pod("small", 10, 10, node=None)
+    pod["metadata"]["uid"] = "uid-small"
+    before = _picked(ext)
+    result = ext.post("filter", _args(pod, ["n-free", "n-full", "n-cpu"]))
+    assert result["NodeNames"] == ["n-full"]
+    assert set(result["FailedAndUnresolvableNodes"]) == {"n-cpu"} and not result["FailedNodes"]
+    assert _picked(ext) == before + 1
+    # Filtered again (a new scheduling attempt): the same answer, one pick.
+    assert ext.post("filter", _args(pod, ["n-free", "n-full"]))["NodeNames"] == ["n-full"]
+    assert _picked(ext) == before + 1
+
+
+def test_node_choice_scheduler_answers_every_node_that_fits(
+    api: FakeApiServer, tmp_path: Path
+) -> None:
+    other = Extender(api, tmp_path, "--node-choice", "scheduler")
+    try:
+        assert wait_until(other.ready, 20), other.text()
+        pod = _pod("small2", 10, 10, node=None)
+        pod["metadata"]["uid"] = "uid-small2"
+        result = other.post("filter", _args(pod, ["n-free", "n-full", "n-cpu"]))
+        assert result["NodeNames"] == ["n-free", "n-full"]
+        assert _picked(other) == 0
+        assert "'node_choice': 'scheduler'" in other.text()
+    finally:
+        assert other.stop() == 0

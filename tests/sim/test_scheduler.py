@@ -50,10 +50,13 @@ def test_an_out_of_range_percentage_is_refused() -> None:
 
 
 class _Recorder(BaseHTTPRequestHandler):
-    """An extender that passes every node it is sent and records the names."""
+    """An extender that passes every node it is sent (or the first `keep`) and
+    records the names and the verbs."""
 
     protocol_version = "HTTP/1.1"
     seen: ClassVar[list[list[str]]] = []
+    verbs: ClassVar[list[str]] = []
+    keep: ClassVar[int | None] = None
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -61,9 +64,11 @@ class _Recorder(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         args = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         verb = self.path.rsplit("/", 1)[1]
+        type(self).verbs.append(verb)
         if verb == "filter":
             type(self).seen.append(list(args["NodeNames"]))
-            answer: Any = {"NodeNames": args["NodeNames"], "FailedNodes": {}, "Error": ""}
+            kept = args["NodeNames"][: type(self).keep]
+            answer: Any = {"NodeNames": kept, "FailedNodes": {}, "Error": ""}
         else:
             answer = [{"Host": n, "Score": 0} for n in args["NodeNames"]]
         body = json.dumps(answer).encode()
@@ -75,7 +80,7 @@ class _Recorder(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def recorder() -> Iterator[str]:
-    _Recorder.seen = []
+    _Recorder.seen, _Recorder.verbs, _Recorder.keep = [], [], None
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -133,3 +138,16 @@ def test_under_100_nodes_every_feasible_node_is_sent(recorder: str) -> None:
     _schedule(_cluster(60, 5), recorder, 2)
     names = [f"node-{i:04d}" for i in range(60)]
     assert _Recorder.seen == [names[5:], names[5:]]
+
+
+def test_one_node_left_by_the_extender_skips_prioritize(recorder: str) -> None:
+    # kube-scheduler: a single feasible node after the extenders is taken as it
+    # is, without scoring (vgpu extender's node_choice "extender" relies on it).
+    _Recorder.keep = 1
+    one = _schedule(_cluster(5, 0), recorder, 2)
+    assert _Recorder.verbs == ["filter", "filter"]
+    assert (one.stats.filter_calls, one.stats.prioritize_calls) == (2, 0)
+    _Recorder.verbs, _Recorder.keep = [], 2
+    two = _schedule(_cluster(5, 0), recorder, 1)
+    assert _Recorder.verbs == ["filter", "prioritize"]
+    assert (two.stats.filter_calls, two.stats.prioritize_calls) == (1, 1)

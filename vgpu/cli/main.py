@@ -68,6 +68,10 @@ EXTENDER_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--log-format", {"choices": ["text", "json"], "help": "log format (default text)"}),
     ("--log-level", {"choices": ["debug", "info", "warning", "error"]}),
     ("--bind-timeout-s", {"metavar": "S", "help": "API call timeout at bind (default 5)"}),
+    (
+        "--node-choice",
+        {"choices": ["extender", "scheduler"], "help": "who picks the node (default extender)"},
+    ),
 ]
 
 

@@ -290,6 +290,7 @@ def _shape(specs: Sequence[ContainerSpec]) -> tuple[Any, ...]:
 
 
 _PASS = ("pass", "")  # the one "fits" answer: filter tests it by identity
+_UNKNOWN = object()  # not in a node's memo yet (None is a memoised "does not fit")
 
 
 class ClusterBook:
@@ -437,6 +438,11 @@ class ClusterBook:
         self._placed_on[uid] = node_name
         self.assumed[uid] = node_name
         self._assumed_specs[uid] = tuple(specs)
+
+    def holds_cards(self, uid: str, node_name: str) -> Mapping[str, tuple[CardUuid, ...]] | None:
+        """Each container's card(s) the pod holds on that node (None: it holds none)."""
+        node = self.nodes.get(node_name)
+        return node.cards_of.get(uid) if node is not None else None
 
     def forget(self, uid: str) -> None:
         """The bind failed: give the room back (the cached pod, if bound, is counted again)."""
@@ -628,6 +634,32 @@ class ClusterBook:
                 )
             out.append((name, score))
         return out
+
+    def pick(self, specs: Sequence[ContainerSpec], names: Sequence[str], policy: Policy) -> str:
+        """The one node the policy prefers among `names` (nodes the pod fits):
+        binpack the fullest once the pod is placed, spread the emptiest. Ties
+        go to the earliest in `names` (kube-scheduler rotates where its node
+        list starts, so equal nodes take turns). Unlike prioritize's 0-10
+        score, the comparison is exact: 0.51 full beats 0.49."""
+        if len(names) < 2:
+            return names[0] if names else ""
+        key = self._memo_key(("fullness", _shape(specs)))
+        kinds = _slices(specs), _single_whole(specs)
+        nodes = self.nodes
+        best, best_value = names[0], -1.0
+        for name in names:
+            node = nodes.get(name)
+            if node is None or node.inventory is None:
+                continue
+            fullness = node.memo.get(key, _UNKNOWN)
+            if fullness is _UNKNOWN:
+                fullness = node.memo[key] = self._fullness_after(node, specs, kinds=kinds)
+            if fullness is None:
+                continue
+            value = fullness if policy is Policy.BINPACK else 1.0 - fullness
+            if value > best_value:
+                best, best_value = name, value
+        return best
 
     @staticmethod
     def _score(fullness: float | None, policy: Policy) -> int:

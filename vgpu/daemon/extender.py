@@ -50,6 +50,11 @@ class _BookCollector(Collector):
             value=counts["assumed"],
         )
         yield GaugeMetricFamily(
+            "vgpu_extender_picked_pods",
+            "Pods whose node the extender picked at filter, holding their room until the bind",
+            value=counts["picked"],
+        )
+        yield GaugeMetricFamily(
             "vgpu_extender_ready",
             "1 once both caches synced with the API server",
             value=1 if self.service.ready() else 0,
@@ -118,6 +123,7 @@ class Extender:
             settings.policy,
             binder or KubeBinder(settings.kubeconfig, domain, settings.bind_timeout_s),
             events=self.metrics.event,
+            pick_node=settings.node_choice == "extender",
         )
         self.metrics.registry.register(_BookCollector(self.service))
         self.cache = ClusterCache(domain, settings.kubeconfig, self.service)

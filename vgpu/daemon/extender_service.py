@@ -1,7 +1,12 @@
 """The scheduler extender's service: the ClusterBook behind a lock, fed by the
 watch caches, answering filter, prioritize and bind.
 
-filter and prioritize read only memory. bind serializes only the in-memory
+filter and prioritize read only memory. With node_choice "extender" (the
+default), filter answers the one node the policy picks and holds the pod's
+room there (a pick), as kube-scheduler, seeing one feasible node, will bind
+the pod there: the next pod's filter, which comes before this pod's bind,
+then sees the room taken. A pick lasts until the bind, a later filter of the
+same pod, the pod's deletion, or PICK_HOLD_S. bind serializes only the in-memory
 part: under the book's lock it checks the pod still fits and records
 an assumption (so parallel binding cycles never give the same room twice);
 then, outside any lock, it makes one API call (a Binding whose metadata
@@ -13,22 +18,38 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from vgpu.adapters.extender_http import BindRequest, PodRequest
 from vgpu.adapters.kube_cluster import Binder, BindError, pod_info
 from vgpu.core.annotations import NodeInventory, format_assignment
 from vgpu.core.errors import InvalidRequest
-from vgpu.core.fit import NoRoom
-from vgpu.core.model import Policy
+from vgpu.core.fit import NoRoom, PodPlan
+from vgpu.core.model import ContainerSpec, Policy
 from vgpu.core.scheduling import ClusterBook, FilterVerdict, NodeUnusable, PodInfo
 
 log = logging.getLogger("vgpu.extender")
+
+# How long a pick holds its room without a bind: kube-scheduler binds within
+# its binding cycle (PreBind may wait for volumes); a pod it gave up on is
+# filtered again (a new pick) or deleted (the watch drops it) long before.
+PICK_HOLD_S = 30.0
 
 NOT_SYNCED = (
     "vgpu extender: its caches are not synced with the API server yet (starting, or the API "
     "server is unreachable); the scheduler retries the pod"
 )
+
+
+@dataclass(frozen=True)
+class _Pick:
+    until: float  # monotonic seconds
+    node: str
+    specs: tuple[ContainerSpec, ...]
+    plan: PodPlan
 
 
 class ExtenderService:
@@ -38,9 +59,18 @@ class ExtenderService:
         policy: Policy,
         binder: Binder,
         events: Callable[[str], None] | None = None,
+        *,
+        pick_node: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.domain = domain
         self.policy = policy
+        # node_choice "extender": filter answers the one node the policy picks,
+        # so kube-scheduler (one feasible node) skips scoring and prioritize.
+        self.pick_node = pick_node
+        self._clock = clock
+        # pod uid -> (held until, node, specs, plan), oldest first
+        self._picks: OrderedDict[str, _Pick] = OrderedDict()
         self.binder = binder
         self.events = events or (lambda kind: None)
         self.book = ClusterBook(domain)
@@ -110,7 +140,38 @@ class ExtenderService:
         if not self.ready():
             return NOT_SYNCED
         with self._lock:
-            return self.book.filter(pod.specs, nodes)
+            if not self.pick_node:
+                return self.book.filter(pod.specs, nodes)
+            self._expire_picks()
+            self._drop_pick(pod.uid)  # a pod filtered again: its earlier pick is moot
+            verdict = self.book.filter(pod.specs, nodes)
+            cached = self.book.pods.get(pod.uid)
+            if not verdict.passed or (cached is not None and cached.node):
+                return verdict  # nothing fits, or the cache shows it bound: hold nothing
+            # The nodes left out fit: they are neither failed nor unresolvable.
+            chosen = self.book.pick(pod.specs, verdict.passed, self.policy)
+            verdict.passed[:] = [chosen]
+            try:
+                plan = self.book.plan(pod.specs, chosen)
+            except (NodeUnusable, NoRoom, InvalidRequest):
+                return verdict  # cannot happen for a node that passed; bind plans again
+            self.book.assume(pod.uid, chosen, pod.specs, plan)
+            self._picks[pod.uid] = _Pick(self._clock() + PICK_HOLD_S, chosen, pod.specs, plan)
+            return verdict
+
+    def _expire_picks(self) -> None:
+        """Give back the room of picks no bind came for (under _lock)."""
+        now = self._clock()
+        while self._picks:
+            uid, pick = next(iter(self._picks.items()))
+            if pick.until > now:
+                return
+            self._drop_pick(uid)
+
+    def _drop_pick(self, uid: str) -> None:
+        """Give back a pick's room (under _lock): nothing if `uid` has no pick."""
+        if self._picks.pop(uid, None) is not None:
+            self.book.forget(uid)
 
     def prioritize(self, pod: PodRequest, nodes: Sequence[str]) -> list[tuple[str, int]]:
         if not pod.specs or not self.ready():
@@ -153,14 +214,26 @@ class ExtenderService:
         # proceed at once, and the assumption, made in the same section as the
         # plan, keeps any of them from being given the same room.
         with self._lock:
-            try:
-                plan = self.book.plan(cached.specs, request.node)
-            except (NodeUnusable, NoRoom, InvalidRequest) as exc:
-                why = exc.why if isinstance(exc, NoRoom) else str(exc)
-                self.events("bind_refused")
-                log.info("bind of %s to %s refused: %s", who, request.node, why)
-                return f"vgpu: {who} no longer fits on node {request.node}: {why}"
-            self.book.assume(request.uid, request.node, cached.specs, plan)
+            pick = self._picks.pop(request.uid, None)
+            if (
+                pick is not None
+                and pick.node == request.node
+                and pick.specs == cached.specs
+                and self.book.assumed.get(request.uid) == request.node
+                and self.book.holds_cards(request.uid, request.node) == dict(pick.plan.cards)
+            ):
+                plan = pick.plan  # held since the filter: the pick becomes the bind's
+            else:
+                if pick is not None:
+                    self.book.forget(request.uid)  # elsewhere: give the pick's room back
+                try:
+                    plan = self.book.plan(cached.specs, request.node)
+                except (NodeUnusable, NoRoom, InvalidRequest) as exc:
+                    why = exc.why if isinstance(exc, NoRoom) else str(exc)
+                    self.events("bind_refused")
+                    log.info("bind of %s to %s refused: %s", who, request.node, why)
+                    return f"vgpu: {who} no longer fits on node {request.node}: {why}"
+                self.book.assume(request.uid, request.node, cached.specs, plan)
         assignment = format_assignment(request.node, plan.cards)
         try:
             self.binder.bind(request.namespace, request.name, request.uid, request.node, assignment)
@@ -189,5 +262,7 @@ class ExtenderService:
             return {
                 "nodes": sum(1 for n in self.book.nodes.values() if n.inventory is not None),
                 "pods": len(self.book.pods),
-                "assumed": len(self.book.assumed),
+                # Picks are assumptions too; they are counted on their own.
+                "assumed": len(self.book.assumed) - len(self._picks.keys() & self.book.assumed),
+                "picked": len(self._picks.keys() & self.book.assumed),
             }
