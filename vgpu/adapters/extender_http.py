@@ -354,11 +354,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(head.encode("latin-1") + body)
 
 
+_REASONS = {int(s): s.phrase for s in HTTPStatus}
+
+
 def _reason(code: int) -> str:
-    try:
-        return HTTPStatus(code).phrase
-    except ValueError:
-        return "Unknown"
+    return _REASONS.get(code, "Unknown")
 
 
 _date_cache: tuple[int, str] = (0, "")

@@ -78,6 +78,7 @@ class ExtenderService:
         self._binding: set[str] = set()  # pod uids with a bind in flight
         self._synced: dict[str, bool] = {"nodes": False, "pods": False}
         self._ever_synced: dict[str, bool] = {"nodes": False, "pods": False}
+        self._ready = False  # both were synced once: it never turns back
 
     # ------------------------------------------------------ cache sink
 
@@ -85,12 +86,12 @@ class ExtenderService:
         with self._lock:
             self._synced[kind] = ok
             self._ever_synced[kind] = self._ever_synced[kind] or ok
+            self._ready = all(self._ever_synced.values())
 
     def ready(self) -> bool:
         """Both caches were complete once: answers come from them even while the API
         server is down (they only miss what happened since)."""
-        with self._lock:
-            return all(self._ever_synced.values())
+        return self._ready  # read on every request: one attribute, no lock
 
     def nodes_listed(self, nodes: dict[str, tuple[NodeInventory | None, str]]) -> None:
         with self._lock:
