@@ -6,8 +6,9 @@ JSON out, the socket left out): filter and prioritize over the full node list
 (NodeNames, as kube-scheduler sends with nodeCacheCapable), bind with the API
 writes replaced by a do-nothing binder, and pods/s through filter ->
 prioritize -> bind (node_choice "scheduler"), and again with node_choice
-"extender" (filter answers one node: filter -> bind). A do-nothing extender (every node passes, every score 0,
-every bind succeeds) through the same edge gives the ratio. Then the real
+"extender" (filter answers one node: filter -> bind). A do-nothing
+extender (every node passes, every score 0, every bind succeeds) through the
+same edge gives the ratio. Then the real
 `vgpu extender` runs as a subprocess against the fake API server holding the
 same nodes and pods, for its resident memory once its caches are synced.
 """
