@@ -195,7 +195,8 @@ EXTENDER_KEYS: dict[str, str] = {
     "listen": "HOST:PORT of the extender's HTTP endpoint (kube-scheduler's urlPrefix)",
     "kubeconfig": KEYS["kubeconfig"],
     "resource_domain": KEYS["resource_domain"],
-    "policy": "node choice at prioritize: binpack (fullest node and card) or spread (emptiest)",
+    "policy": "node choice (at filter or prioritize, see node_choice): binpack (fullest node "
+    "and card) or spread (emptiest)",
     "metrics_address": KEYS["metrics_address"],
     "log_format": KEYS["log_format"],
     "log_level": KEYS["log_level"],

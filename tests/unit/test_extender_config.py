@@ -33,6 +33,8 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path: Path) -> No
     assert s.listen == "127.0.0.1:9200"  # flag
     assert s.policy is Policy.BINPACK  # env over file
     assert s.bind_timeout_s == 2.0 and s.resource_domain == "file.io"  # file
+    assert s.node_choice == "extender"  # the default
+    assert load_extender({}, {"VGPU_NODE_CHOICE": "scheduler"}).node_choice == "scheduler"
 
 
 @pytest.mark.parametrize(
@@ -41,10 +43,11 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path: Path) -> No
         ({"listen": "nowhere"}, None, "listen='nowhere' is invalid; allowed: HOST:PORT"),
         ({"bind_timeout_s": "99"}, None, "bind_timeout_s='99' is invalid"),
         ({"policy": "random"}, None, "binpack or spread"),
+        ({"node_choice": "kube"}, None, "node_choice='kube' is invalid; allowed: extender or"),
         ({}, "version: v1\nnode_name: x\n", "unknown key 'node_name'"),
         ({}, "version: v2\n", "version='v2' is not supported"),
     ],
-    ids=["listen", "timeout", "policy", "serve-only-key", "version"],
+    ids=["listen", "timeout", "policy", "node-choice", "serve-only-key", "version"],
 )
 def test_invalid_settings_name_the_key(
     tmp_path: Path, flags: dict[str, str], text: str | None, message: str
@@ -76,6 +79,6 @@ def test_cli_exits_2_with_one_line_without_an_api_server(tmp_path: Path) -> None
 def test_docs_document_the_extender_only_keys() -> None:
     readme = (Path(__file__).resolve().parents[2] / "docs" / "scheduling.md").read_text()
     defaults = ExtenderSettings().public()
-    for key in ("listen", "bind_timeout_s"):
+    for key in ("listen", "bind_timeout_s", "node_choice"):
         row = f"| `{key}` | `{defaults[key]}` | {EXTENDER_KEYS[key]} |"
         assert row in readme.splitlines(), row

@@ -157,7 +157,12 @@ class Extender:
         if self.metrics_http is not None:
             self.metrics_http.start()
         host, port = self.http.address
-        log.info("serving filter, prioritize and bind on http://%s:%d", host, port)
+        log.info(
+            "serving filter, prioritize and bind on http://%s:%d (node_choice %s)",
+            host,
+            port,
+            self.settings.node_choice,
+        )
 
     def shutdown(self) -> None:
         self.stop.set()
