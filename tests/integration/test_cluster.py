@@ -351,3 +351,16 @@ def test_status_cluster_lists_every_card_and_pod(cluster: SimCluster) -> None:
         assert main(["status", "--cluster", "--kubeconfig", str(cluster.kubeconfig)]) == 0
     assert "default/seen/main" in table.getvalue() and "30%/70%" in table.getvalue()
     cleanup(cluster, "seen")
+
+
+def test_a_cluster_that_fails_to_start_leaves_nothing_running(tmp_path: Path) -> None:
+    # The extender refuses its configuration (exit 2): start fails at once,
+    # naming it, and the node daemon it had started is stopped, not leaked
+    # behind the failed test.
+    mock = write_mock(tmp_path / "n.json", [_card("node-z", 0)])
+    cl = SimCluster({"node-z": str(mock)}, tmp_path / "c", extender_args=["--policy", "bogus"])
+    node = cl.nodes["node-z"]
+    with pytest.raises(RuntimeError, match="the extender did not get ready") as err:
+        cl.start(timeout_s=60)
+    assert "invalid choice: 'bogus'" in str(err.value)
+    assert node.proc is None and cl.extender is None

@@ -102,6 +102,15 @@ class SimCluster:
     # ---------------------------------------------------------- lifecycle
 
     def start(self, timeout_s: float = 30.0) -> None:
+        """Start everything; on any failure, stop what was started (no daemon
+        is left running behind a failed test) and raise."""
+        try:
+            self._start(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, timeout_s: float) -> None:
         self.api.start()
         self.api.write_kubeconfig(self.kubeconfig)
         for node in self.nodes.values():
@@ -135,7 +144,11 @@ class SimCluster:
         self.extender = subprocess.Popen(
             self.extender_command(), stdout=self._extender_fh, stderr=subprocess.STDOUT, env=env
         )
-        if wait and not wait_until(self.extender_ready, timeout_s, 0.05):
+        proc = self.extender
+        if wait and not (
+            wait_until(lambda: proc.poll() is not None or self.extender_ready(), timeout_s, 0.05)
+            and proc.poll() is None
+        ):
             raise RuntimeError(f"the extender did not get ready; log:\n{self.extender_text()}")
 
     def extender_ready(self) -> bool:
