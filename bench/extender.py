@@ -361,10 +361,12 @@ def run(nodes: int = 1000, slices: int = 20000, pods: int = 400, cold: int = 12)
     }
     targets = [
         Target("filter p99, full node list", vgpu_stream["filter"]["p99_ms"], FILTER_P99_MS, "ms"),
+        # Picking, filter does prioritize's work too (the fullness of every
+        # node that fits) and no prioritize follows: its bound is the two's.
         Target(
             "filter p99 picking the node, full node list",
             pick_stream["filter"]["p99_ms"],
-            FILTER_P99_MS,
+            FILTER_P99_MS + PRIORITIZE_P99_MS,
             "ms",
         ),
         Target(

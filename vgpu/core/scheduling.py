@@ -646,19 +646,20 @@ class ClusterBook:
         key = self._memo_key(("fullness", _shape(specs)))
         kinds = _slices(specs), _single_whole(specs)
         nodes = self.nodes
-        best, best_value = names[0], -1.0
+        sign = 1.0 if policy is Policy.BINPACK else -1.0  # spread: the emptiest
+        best, best_value = names[0], -2.0
         for name in names:
             node = nodes.get(name)
-            if node is None or node.inventory is None:
+            if node is None:
                 continue
-            fullness = node.memo.get(key, _UNKNOWN)
+            memo = node.memo
+            fullness = memo.get(key, _UNKNOWN)
             if fullness is _UNKNOWN:
-                fullness = node.memo[key] = self._fullness_after(node, specs, kinds=kinds)
-            if fullness is None:
-                continue
-            value = fullness if policy is Policy.BINPACK else 1.0 - fullness
-            if value > best_value:
-                best, best_value = name, value
+                if node.inventory is None:
+                    continue
+                fullness = memo[key] = self._fullness_after(node, specs, kinds=kinds)
+            if fullness is not None and sign * fullness > best_value:
+                best, best_value = name, sign * fullness
         return best
 
     @staticmethod
