@@ -17,7 +17,8 @@ Measured, each against the same storm without the hook (no LD_PRELOAD):
   spawn (mid-start-up, possibly holding the budget lock or a slot); every
   survivor must still be ready within DEADLINE_S (nobody waits on a dead
   holder's lock);
-- the node daemon's arbiter runs meanwhile, as on a node;
+- the node daemon's arbiter runs meanwhile, as on a node: in a process of its
+  own, not a thread of this harness (whose one thread spawns the storm);
 - identification: once settled, each live process's budget-file slot must carry
   its own host pid (pid + its container's offset), so it is throttled on its
   own container's share.
@@ -57,32 +58,67 @@ DEADLINE_S = float(os.environ.get("STORM_DEADLINE_S", "60"))
 OFFSET = 100000
 
 
-# One stand-in card state for every storm of this process: the daemon's arbiter
-# here reads it through the stand-in NVML, which maps one state file per process.
+# One stand-in card state for every storm of this process; the arbiter's process
+# (_start_arbiter) reads the same one through the stand-in NVML.
 _STATE_DIR = tempfile.mkdtemp(prefix="vgpu-storm-card-", dir=ram_dir())
 atexit.register(shutil.rmtree, _STATE_DIR, True)
 _STATE = Path(_STATE_DIR) / "gpu"
 
 
-def _start_arbiter(work: Path, containers: int, stop: threading.Event) -> threading.Thread:
-    """The node daemon's arbiter over these containers, as in production."""
+def _arbiter_main(work: Path, containers: int) -> None:
+    """The node daemon's arbiter over these containers, as in production: in a
+    process of its own (the daemon's), never a thread of the harness that spawns
+    the storm (one GIL: every arbiter period would hold the spawner up). Runs
+    until stdin closes."""
     from bench.arbiter import _nvml_backend
     from vgpu.daemon.arbiter import Arbiter, Arbitrated
 
-    os.environ["FAKE_GPU_STATE"] = str(_STATE)
     backend = _nvml_backend()
     card = backend.cards()[0].uuid
     arbitrated = [
         Arbitrated(f"c{c}", work / f"c{c}" / budget.FILE_NAME, (card,), 30, 30)
         for c in range(containers)
     ]
+    stop = threading.Event()
     thread = threading.Thread(
         target=Arbiter(backend.process_utilization, lambda: arbitrated).run,
         args=(stop,),
         daemon=True,
     )
     thread.start()
-    return thread
+    print("ready", flush=True)
+    sys.stdin.read()  # EOF: the harness is done
+    stop.set()
+    thread.join(timeout=5)
+
+
+def _start_arbiter(work: Path, containers: int) -> subprocess.Popen[str]:
+    """Starts the arbiter's process and waits until it reads the card."""
+    env = {**os.environ, "FAKE_GPU_STATE": str(_STATE)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.storm", "--arbiter-for", str(work), str(containers)],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        proc.wait()
+        raise RuntimeError("the storm's arbiter process did not start (see its stderr)")
+    return proc
+
+
+def _stop_arbiter(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _env(work: Path, container: int, hooked: bool) -> dict[str, str]:
@@ -130,8 +166,7 @@ def storm(
             (work / f"c{c}").mkdir()
             budget.ensure(work / f"c{c}" / budget.FILE_NAME)
         envs = [{**_env(work, i, hooked), **(extra_env or {})} for i in range(containers)]
-        stop = threading.Event()
-        arbiter_thread = _start_arbiter(work, containers, stop) if hooked and arbiter else None
+        arbiter_proc = _start_arbiter(work, containers) if hooked and arbiter else None
         victims = set(rng.sample(range(n), int(n * KILL_FRACTION))) if kill else set()
         procs: list[subprocess.Popen[bytes]] = []
         spawned_at: list[float] = []
@@ -221,9 +256,8 @@ def storm(
                 p.kill()
             p.wait()
         sel.close()
-        stop.set()
-        if arbiter_thread is not None:
-            arbiter_thread.join(timeout=5)
+        if arbiter_proc is not None:
+            _stop_arbiter(arbiter_proc)
         values = list(init_ms.values())
         return {
             "processes": n,
@@ -283,7 +317,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.storm")
     parser.add_argument("--processes", type=int, default=300)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--arbiter-for", nargs=2, metavar=("WORK", "CONTAINERS"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
+    if args.arbiter_for:  # the arbiter's own process (_start_arbiter)
+        _arbiter_main(Path(args.arbiter_for[0]), int(args.arbiter_for[1]))
+        return 0
     result = run(args.processes)
     text = json.dumps(result, indent=1)
     if args.out:

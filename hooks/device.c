@@ -545,6 +545,9 @@ static void after_context(CUdevice ordinal, CUcontext ctx, struct snapshot *befo
             free(after);
         }
     }
+    /* The card's budget entry, limits or not: the compute poller polls only
+     * the cards the container has entries for. */
+    int entry = vgpu_device_entry(ordinal);
     if (host && host != vgpu_budget_host_pid()) {
         vgpu_budget_set_host_pid(host);
         VGPU_TRACE("context on device %d: host pid %u", ordinal, host);
@@ -557,12 +560,12 @@ static void after_context(CUdevice ordinal, CUcontext ctx, struct snapshot *befo
                          "estimate of %llu MiB per card", (unsigned long long)(overhead / VGPU_MIB));
         }
         if (overhead) {
-            vgpu_budget_charge(vgpu_device_entry(ordinal), overhead);
+            vgpu_budget_charge(entry, overhead);
             VGPU_TRACE("context on device %d: charged %llu bytes of overhead", ordinal,
                        (unsigned long long)overhead);
         }
         if (untold) {
-            untold->entry = vgpu_device_entry(ordinal);
+            untold->entry = entry;
             untold->charged = overhead;
         }
     }
