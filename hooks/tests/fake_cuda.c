@@ -120,7 +120,18 @@ static CUresult take_ptr(uint64_t bytes, CUdeviceptr *out)
 }
 
 /* ---- devices, contexts, streams ---- */
-CUresult cuInit(unsigned int flags) { (void)flags; return CUDA_SUCCESS; }
+/* The process's record from the start (as a driver opens its device files at
+ * cuInit): a dead process's record under a recycled pid is cleared before
+ * anyone lists the card again. */
+CUresult cuInit(unsigned int flags)
+{
+    (void)flags;
+    struct fake_gpu *g = fake_gpu();
+    fake_lock(g);
+    fake_me(g);
+    fake_unlock(g);
+    return CUDA_SUCCESS;
+}
 CUresult cuDriverGetVersion(int *v) { *v = FAKE_VERSION; return CUDA_SUCCESS; }
 CUresult cuDeviceGetCount(int *n) { *n = FAKE_CARDS; return CUDA_SUCCESS; }
 CUresult cuCtxGetDevice(CUdevice *d) { *d = current_dev; return CUDA_SUCCESS; }
