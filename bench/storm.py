@@ -91,7 +91,10 @@ def _arbiter_main(work: Path, containers: int) -> None:
     sys.stdin.read()  # EOF: the harness is done
     stop.set()
     thread.join(timeout=5)
-    print(json.dumps({"cpu_s": round(time.process_time() - cpu0, 3)}), flush=True)
+    try:
+        print(json.dumps({"cpu_s": round(time.process_time() - cpu0, 3)}), flush=True)
+    except BrokenPipeError:  # the harness is gone
+        pass
 
 
 def _start_arbiter(work: Path, containers: int) -> subprocess.Popen[str]:
