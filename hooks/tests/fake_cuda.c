@@ -120,16 +120,21 @@ static CUresult take_ptr(uint64_t bytes, CUdeviceptr *out)
 }
 
 /* ---- devices, contexts, streams ---- */
-/* The process's record from the start (as a driver opens its device files at
- * cuInit): a dead process's record under a recycled pid is cleared before
- * anyone lists the card again. */
+/* A new process image has no contexts: a dead process's record under this
+ * (recycled) pid is freed before anyone lists the card again.  Read without the
+ * card lock; only a hit takes it. */
 CUresult cuInit(unsigned int flags)
 {
     (void)flags;
     struct fake_gpu *g = fake_gpu();
-    fake_lock(g);
-    fake_me(g);
-    fake_unlock(g);
+    int32_t pid = getpid();
+    for (int i = 0; i < FAKE_MAX_PROCS && !fake_mine; i++)
+        if (__atomic_load_n(&g->procs[i].pid, __ATOMIC_RELAXED) == pid) {
+            fake_lock(g);
+            if (!fake_mine && g->procs[i].pid == pid)
+                g->procs[i].pid = 0;
+            fake_unlock(g);
+        }
     return CUDA_SUCCESS;
 }
 CUresult cuDriverGetVersion(int *v) { *v = FAKE_VERSION; return CUDA_SUCCESS; }
