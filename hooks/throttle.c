@@ -256,11 +256,20 @@ static int container_util(struct util *u, int publish)
     unsigned self = vgpu_budget_host_pid();
     int rc = -2, busiest = -1;
     *u = (struct util){-1, -1};
+    /* Only the cards the container uses (its budget file's entries): each
+     * query is O(processes on the card) in the driver, and a card it has no
+     * context on tells nothing about it.  Every card while no entry names one
+     * NVML shows (none yet, or entries under other names, e.g. "device-N"
+     * where the driver gave no UUID). */
+    unsigned char used[VGPU_MAX_DEVICES];
+    int any = 0;
     for (unsigned int d = 0; d < nvml.device_count; d++) {
-        /* Only the cards the container uses (its budget file's entries; all
-         * until it has one): each query is O(processes on the card) in the
-         * driver, and a card it has no context on tells nothing about it. */
-        if (nvml.uuids[d][0] && vgpu_budget_uses_card(nvml.uuids[d]) == 0)
+        int known = nvml.uuids[d][0] ? vgpu_budget_uses_card(nvml.uuids[d]) : -1;
+        used[d] = known != 0;
+        any |= known == 1;
+    }
+    for (unsigned int d = 0; d < nvml.device_count; d++) {
+        if (any && !used[d])
             continue;
         struct util du;
         int r = device_util(d, pids, npids, self, &du);
