@@ -319,12 +319,14 @@ def run(processes: int = 300, quick: bool = False, rounds: int = 1) -> Json:
         )
     added = max(r["added_ms"] for r in rows)
     p99 = max(r["p99_added_ms"] for r in rows)
-    stuck = sum(r[k]["stuck"] for r in rows for k in ("with_hook", "with_hook_and_kills"))
-    misidentified = sum(
-        r[k]["identified"]["wrong"] + r[k]["identified"]["unknown"]
+    # correctness over every hooked storm, not only the median round's
+    hooked_runs = [
+        run_
         for r in rows
-        for k in ("with_hook", "with_hook_and_kills")
-    )
+        for run_ in [r["with_hook_and_kills"], *(x["with_hook"] for x in r["rounds"])]
+    ]
+    stuck = sum(x["stuck"] for x in hooked_runs)
+    misidentified = sum(x["identified"]["wrong"] + x["identified"]["unknown"] for x in hooked_runs)
     return {
         "available": True,
         "processes": processes,
