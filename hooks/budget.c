@@ -471,7 +471,7 @@ int vgpu_budget_entry(const char *uuid, int add)
         if (n < VGPU_MAX_DEVICES) {
             memset(s->devices[n], 0, VGPU_UUID_BYTES);
             strncpy(s->devices[n], uuid, VGPU_UUID_BYTES - 1);
-            s->device_count = n + 1;
+            __atomic_store_n(&s->device_count, n + 1, __ATOMIC_RELEASE); /* name first */
             found = (int)n;
         } else {
             vgpu_log(&logged, "more than %d cards: %s shares the last budget entry",
@@ -481,6 +481,19 @@ int vgpu_budget_entry(const char *uuid, int add)
     }
     unlock_budget(s);
     return found;
+}
+
+int vgpu_budget_uses_card(const char *uuid)
+{
+    struct vgpu_shared *s = budget();
+    uint32_t n = __atomic_load_n(&s->device_count, __ATOMIC_ACQUIRE);
+    if (n == 0)
+        return -1;
+    n = n < VGPU_MAX_DEVICES ? n : VGPU_MAX_DEVICES; /* tenant-writable: bounded */
+    for (uint32_t i = 0; i < n; i++)
+        if (same_card(s->devices[i], uuid))
+            return 1;
+    return 0;
 }
 
 static void add_used(struct vgpu_shared *s, int e, uint64_t bytes)

@@ -545,6 +545,12 @@ static void after_context(CUdevice ordinal, CUcontext ctx, struct snapshot *befo
             free(after);
         }
     }
+    /* The card's budget entry, also under a compute limit alone where the
+     * container shares a budget file: its compute poller polls only the cards
+     * the container has entries for. */
+    int entry = vgpu_cfg.memory_limit != VGPU_NO_LIMIT || (vgpu_cfg.core_percent && vgpu_cfg.shared_dir)
+                    ? vgpu_device_entry(ordinal)
+                    : -1;
     if (host && host != vgpu_budget_host_pid()) {
         vgpu_budget_set_host_pid(host);
         VGPU_TRACE("context on device %d: host pid %u", ordinal, host);
@@ -557,12 +563,12 @@ static void after_context(CUdevice ordinal, CUcontext ctx, struct snapshot *befo
                          "estimate of %llu MiB per card", (unsigned long long)(overhead / VGPU_MIB));
         }
         if (overhead) {
-            vgpu_budget_charge(vgpu_device_entry(ordinal), overhead);
+            vgpu_budget_charge(entry, overhead);
             VGPU_TRACE("context on device %d: charged %llu bytes of overhead", ordinal,
                        (unsigned long long)overhead);
         }
         if (untold) {
-            untold->entry = vgpu_device_entry(ordinal);
+            untold->entry = entry;
             untold->charged = overhead;
         }
     }

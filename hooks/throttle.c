@@ -50,6 +50,7 @@ enum { OFF_UNKNOWN, OFF, RUNNING };
 
 static struct {
     nvmlDevice_t devices[VGPU_MAX_DEVICES];
+    char uuids[VGPU_MAX_DEVICES][NVML_DEVICE_UUID_V2_BUFFER_SIZE]; /* "" = not known */
     unsigned long long last_seen[VGPU_MAX_DEVICES];
     unsigned int device_count;
 } nvml;
@@ -127,9 +128,15 @@ static int nvml_devices(void)
                  vgpu_cfg.core_percent);
         return -1;
     }
-    for (unsigned int i = 0; i < n && nvml.device_count < VGPU_MAX_DEVICES; i++)
-        if (vgpu_nvml.by_index(i, &nvml.devices[nvml.device_count]) == NVML_SUCCESS)
-            nvml.device_count++;
+    for (unsigned int i = 0; i < n && nvml.device_count < VGPU_MAX_DEVICES; i++) {
+        unsigned int d = nvml.device_count;
+        if (vgpu_nvml.by_index(i, &nvml.devices[d]) != NVML_SUCCESS)
+            continue;
+        if (vgpu_nvml.uuid(nvml.devices[d], nvml.uuids[d], sizeof(nvml.uuids[d])) != NVML_SUCCESS)
+            nvml.uuids[d][0] = '\0';
+        nvml.uuids[d][sizeof(nvml.uuids[d]) - 1] = '\0';
+        nvml.device_count++;
+    }
     return nvml.device_count ? 0 : -1;
 }
 
@@ -249,7 +256,21 @@ static int container_util(struct util *u, int publish)
     unsigned self = vgpu_budget_host_pid();
     int rc = -2, busiest = -1;
     *u = (struct util){-1, -1};
+    /* Only the cards the container uses (its budget file's entries): each
+     * query is O(processes on the card) in the driver, and a card it has no
+     * context on tells nothing about it.  Every card while no entry names one
+     * NVML shows (none yet, or entries under other names, e.g. "device-N"
+     * where the driver gave no UUID). */
+    unsigned char used[VGPU_MAX_DEVICES];
+    int any = 0;
     for (unsigned int d = 0; d < nvml.device_count; d++) {
+        int known = nvml.uuids[d][0] ? vgpu_budget_uses_card(nvml.uuids[d]) : -1;
+        used[d] = known != 0;
+        any |= known == 1;
+    }
+    for (unsigned int d = 0; d < nvml.device_count; d++) {
+        if (any && !used[d])
+            continue;
         struct util du;
         int r = device_util(d, pids, npids, self, &du);
         if (r == -1 && rc == -2)

@@ -100,6 +100,9 @@ void *vgpu_wrap_proc(const char *symbol, void *p, int version, cuuint64_t flags)
 void vgpu_budget_after_fork(void);
 /* The budget entry of a card UUID: found, else added when `add`; -1 if absent. */
 int vgpu_budget_entry(const char *uuid, int add);
+/* Whether any process of the container has a budget entry for this card
+ * (lock-free): 1 yes, 0 no, -1 the container has no entry yet. */
+int vgpu_budget_uses_card(const char *uuid);
 /* Reserve `bytes` on entry `e`; 0 on success, -1 if over the limit. */
 int vgpu_budget_reserve(int e, uint64_t bytes);
 /* Charge `bytes` whatever the limit (memory the driver already took). */

@@ -120,7 +120,23 @@ static CUresult take_ptr(uint64_t bytes, CUdeviceptr *out)
 }
 
 /* ---- devices, contexts, streams ---- */
-CUresult cuInit(unsigned int flags) { (void)flags; return CUDA_SUCCESS; }
+/* A new process image has no contexts: a dead process's record under this
+ * (recycled) pid is freed before anyone lists the card again.  Read without the
+ * card lock; only a hit takes it. */
+CUresult cuInit(unsigned int flags)
+{
+    (void)flags;
+    struct fake_gpu *g = fake_gpu();
+    int32_t pid = getpid();
+    for (int i = 0; i < FAKE_MAX_PROCS && !fake_mine; i++)
+        if (__atomic_load_n(&g->procs[i].pid, __ATOMIC_RELAXED) == pid) {
+            fake_lock(g);
+            if (!fake_mine && g->procs[i].pid == pid)
+                g->procs[i].pid = 0;
+            fake_unlock(g);
+        }
+    return CUDA_SUCCESS;
+}
 CUresult cuDriverGetVersion(int *v) { *v = FAKE_VERSION; return CUDA_SUCCESS; }
 CUresult cuDeviceGetCount(int *n) { *n = FAKE_CARDS; return CUDA_SUCCESS; }
 CUresult cuCtxGetDevice(CUdevice *d) { *d = current_dev; return CUDA_SUCCESS; }

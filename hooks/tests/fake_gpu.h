@@ -180,8 +180,13 @@ static inline struct fake_proc *fake_me(struct fake_gpu *g)
     int32_t pid = getpid();
     struct fake_proc *free_one = NULL;
     for (int i = 0; i < FAKE_MAX_PROCS; i++) {
-        if (g->procs[i].pid == pid)
-            return fake_mine = &g->procs[i];
+        if (g->procs[i].pid == pid) {
+            /* Not ours yet in this process image: a dead process's, whose pid
+             * the kernel gave us (a busy node recycles pids within minutes).
+             * A driver gives a new process no contexts: its record starts over. */
+            free_one = &g->procs[i];
+            break;
+        }
         if (!free_one && !fake_alive(g->procs[i].pid))
             free_one = &g->procs[i];
     }

@@ -12,9 +12,16 @@ come from `python -m bench.storm` (BENCHMARKS.md).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from bench.storm import storm
+from tests.hooks.test_hooks import BUILD
 
 
 @pytest.mark.timeout(120)
@@ -29,3 +36,55 @@ def test_fifty_processes_start_together_and_survive_kills(containers: int) -> No
     identified = result["identified"]
     assert identified["wrong"] == 0 and identified["unknown"] == 0, result
     assert identified["right"] == 50 - result["killed"], result
+
+
+# The same pid, a new process image: what a recycled pid looks like to the
+# stand-in card (a storm on a busy box wraps pid_max within minutes).
+_RECYCLED = """
+import ctypes, json, os, sys
+build = sys.argv[1]
+cuda = ctypes.CDLL(os.path.join(build, "fake", "libcuda.so.1"))
+assert cuda.cuInit(0) == 0
+if sys.argv[2] == "first":
+    ctx = ctypes.c_void_p()
+    assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+    env = dict(os.environ, FAKE_PIDNS_OFFSET="200000")
+    os.execve(sys.executable, [sys.executable, __file__, build, "second"], env)
+nvml = ctypes.CDLL(os.path.join(build, "fake-nvml", "libnvidia-ml.so.1"))
+assert nvml.nvmlInit_v2() == 0
+dev = ctypes.c_void_p()
+assert nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(dev)) == 0
+class Info(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong),
+                ("gi", ctypes.c_uint), ("ci", ctypes.c_uint)]
+infos = (Info * 64)()
+count = ctypes.c_uint(64)
+assert nvml.nvmlDeviceGetComputeRunningProcesses_v3(dev, ctypes.byref(count), infos) == 0
+print(json.dumps({"pid": os.getpid(), "listed": [infos[i].pid for i in range(count.value)]}))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_recycled_pid_inherits_no_context_on_the_stand_in_card(tmp_path: Path) -> None:
+    """A process that gets a dead process's pid must not be handed that process's
+    record on the stand-in card (its host pid, contexts, memory): the card would
+    list it under the dead one's host pid, and identification could settle on
+    that. Here the first image creates a context, then execs (same pid) into a
+    second image with another PID-namespace offset, which lists the card."""
+    script = tmp_path / "recycled.py"
+    script.write_text(_RECYCLED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VGPU_", "FAKE_", "LD_"))}
+    env.update(FAKE_GPU_STATE=str(tmp_path / "gpu"), FAKE_PIDNS_OFFSET="100000")
+    out = subprocess.run(
+        [sys.executable, str(script), str(BUILD), "first"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    # the new image has no context yet: listed neither under the old host pid
+    # nor under a new one
+    assert seen["pid"] + 100000 not in seen["listed"], seen
+    assert seen["pid"] + 200000 not in seen["listed"], seen
