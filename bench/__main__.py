@@ -269,7 +269,8 @@ def _rows_fastpath(r: Json) -> list[list[str]]:
         )
     rows.append(
         [
-            f"pods/s, {e['nodes']} nodes, {e['pods']} pods",
+            f"pods/s, {e['nodes']} nodes, {e['pods']} pods (median of {e['rounds']} rounds:"
+            f" {', '.join(str(x) for x in e['ratios'])})",
             str(e["vgpu"]["pods_per_s"]),
             str(e["baseline"]["pods_per_s"]),
             str(e["ratio"]),

@@ -123,6 +123,10 @@ def test_bench_quick_writes_every_section(tmp_path: Path) -> None:
     assert e2e["burst"]["bound"] == e2e["burst"]["pods"] and e2e["overcommitted_cards"] == 0
     # The extender picks the node at filter: the stand-in never needs prioritize.
     assert e2e["node_choice"] == "extender" and e2e["scheduler_calls"]["prioritize"] == 0
+    # Paired rounds: a ratio per round, and the reported one is their median.
+    assert len(e2e["ratios"]) == e2e["rounds"] == 3
+    assert e2e["ratio"] == sorted(e2e["ratios"])[1]
+    assert all(len(v) == 3 for v in e2e["pods_per_s_by_round"].values())
     roles = e2e["bench_cpu_ms_per_pod_by_role"]  # the threads were told apart
     assert roles["baseline"]["API server"] > 0 and roles["with_extender"]["scheduling cycle"] > 0
 
