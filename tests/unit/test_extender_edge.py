@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from vgpu.adapters.extender_http import (
     _pod,
     _PodCache,
 )
+from vgpu.adapters.kube_cluster import pod_info
 from vgpu.core.scheduling import FilterVerdict
 
 CORE, MEM = "vendor.io/vcuda-core", "vendor.io/vcuda-memory"
@@ -102,5 +104,28 @@ def test_the_written_host_priority_list_is_what_json_dumps_writes() -> None:
         assert port.pods[0] is port.pods[1]  # decoded once
         with pytest.raises(BadRequest, match="NodeNames"):
             edge.handle_bytes("prioritize", {**args, "NodeNames": [1]})
+    finally:
+        edge.close()
+
+
+def test_a_pending_pod_the_watch_decoded_is_not_decoded_again() -> None:
+    port = _Scores()
+    edge = ExtenderHttp(port, "vendor.io", "127.0.0.1:0")
+    try:
+        seen = pod_info(_args("u1", "5", 30)["Pod"], "vendor.io")
+        edge.pod_seen("5", seen)
+        # Same uid and resourceVersion: the same pod, taken as the watch decoded
+        # it (this request's 90 would show if it were decoded again).
+        edge.handle_bytes("prioritize", {**_args("u1", "5", 90), "NodeNames": ["n"]})
+        assert port.pods[-1].specs == seen.specs
+        assert port.pods[-1].specs[0].request.core_percent == 30
+        # A bound pod, or one with an assignment, is not kept: filter decodes it.
+        bound = pod_info({**_args("u2", "6", 30)["Pod"]}, "vendor.io")
+        edge.pod_seen("6", replace(bound, node="n"))
+        edge.handle_bytes("prioritize", {**_args("u2", "6", 90), "NodeNames": ["n"]})
+        assert port.pods[-1].specs[0].request.core_percent == 90
+        edge.pod_seen("", pod_info(_args("u3", "1", 30)["Pod"], "vendor.io"))  # no version
+        edge.handle_bytes("prioritize", {**_args("u3", "1", 90), "NodeNames": ["n"]})
+        assert port.pods[-1].specs[0].request.core_percent == 90
     finally:
         edge.close()

@@ -36,7 +36,7 @@ from typing import Any, Protocol, cast
 from vgpu.adapters.httpwire import MAX_LINE_BYTES, HeaderError, read_headers
 from vgpu.adapters.kube import container_specs
 from vgpu.core.model import ContainerSpec
-from vgpu.core.scheduling import MAX_SCORE, FilterVerdict
+from vgpu.core.scheduling import MAX_SCORE, FilterVerdict, PodInfo
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class _PodCache:
     to filter and then to prioritize, and the API server gives every change of
     a pod a new resourceVersion, so a hit is the same pod. Bounded."""
 
-    def __init__(self, size: int = 1024) -> None:
+    def __init__(self, size: int = 4096) -> None:
         self.size = size
         self._lock = threading.Lock()
         self._pods: dict[tuple[str, str], PodRequest] = {}
@@ -431,6 +431,15 @@ class ExtenderHttp:
             self._server.shutdown()
             self._thread = None
         self._server.server_close()
+
+    def pod_seen(self, version: str, pod: PodInfo) -> None:
+        """A pod the watch decoded: a pending one, without an assignment, is
+        what filter would decode from the same pod at the same resourceVersion
+        (the same `container_specs`), so filter can take it from here."""
+        if version and not pod.node and pod.assignment is None:
+            self.pods.put(
+                (pod.uid, version), PodRequest(pod.uid, pod.namespace, pod.name, pod.specs)
+            )
 
     # ------------------------------------------------------------ verbs
 

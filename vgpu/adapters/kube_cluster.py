@@ -180,11 +180,16 @@ class ClusterCache:
         kubeconfig: Path | None,
         sink: ClusterSink,
         backoff_max_s: float = 30.0,
+        pod_seen: Callable[[str, PodInfo], None] | None = None,
     ) -> None:
+        """`pod_seen(resourceVersion, info)` is told of every pod the watch
+        decodes (the HTTP edge keeps pending ones, so filter need not decode
+        the same pod again)."""
         self.domain = domain
         self.kubeconfig = kubeconfig
         self.sink = sink
         self.backoff_max_s = backoff_max_s
+        self.pod_seen = pod_seen
         self._api: Any = None
         self._api_lock = threading.Lock()
 
@@ -231,6 +236,8 @@ class ClusterCache:
             info = pod_info(obj, self.domain)
             if info.specs:
                 self.sink.pod_changed(info)
+                if self.pod_seen is not None:
+                    self.pod_seen(str(meta.get("resourceVersion") or ""), info)
 
     def _error_text(self, exc: BaseException) -> str:
         from vgpu.adapters.kube_errors import api_error_text

@@ -126,8 +126,10 @@ class Extender:
             pick_node=settings.node_choice == "extender",
         )
         self.metrics.registry.register(_BookCollector(self.service))
-        self.cache = ClusterCache(domain, settings.kubeconfig, self.service)
         self.http = self._serve(settings.listen, verbs=True)
+        self.cache = ClusterCache(
+            domain, settings.kubeconfig, self.service, pod_seen=self.http.pod_seen
+        )
         self.metrics_http = (
             self._serve(settings.metrics_address, verbs=False) if settings.metrics_address else None
         )
