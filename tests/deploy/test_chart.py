@@ -439,6 +439,7 @@ BAD_VALUES = [
     ({"monitoring": {"dashboard": {"enable": True}}}, "enable"),
     ({"deviceListStrategy": "nvidia"}, "deviceListStrategy"),
     ({"hookInjection": "preload"}, "hookInjection"),
+    ({"scheduler": {"extender": {"nodeChoice": "kube"}}}, "nodeChoice"),
     ({"image": {"repo": "x"}}, "repo"),
 ]
 
@@ -501,6 +502,17 @@ def test_config_values_reach_the_daemon_and_load(tmp_path: Path) -> None:
         one(objects, "ConfigMap", "vgpu-scheduler-config")["data"]["extender.yaml"]
     )
     assert ext["resource_domain"] == "gpu.example.com"
+
+
+def test_node_choice_reaches_the_extender_config(tmp_path: Path) -> None:
+    def node_choice(values: dict[str, Any]) -> str:
+        text = one(render(values), "ConfigMap", "vgpu-scheduler-config")["data"]["extender.yaml"]
+        path = tmp_path / "extender.yaml"
+        path.write_text(text)
+        return config.load_extender({}, {}, path).node_choice
+
+    assert node_choice({}) == "extender"
+    assert node_choice({"scheduler": {"extender": {"nodeChoice": "scheduler"}}}) == "scheduler"
 
 
 def test_strategy_and_injection_values_are_written_only_when_set() -> None:

@@ -222,6 +222,9 @@ def test_extender_entry_points_at_the_sidecar(ksc: dict[str, Any], tmp_path: Pat
         for r in Resource
     ]
     assert "preemptVerb" not in ext and not ext.get("enableHTTPS")
+    # The extender picks the node at filter: prioritize stays configured for
+    # node_choice "scheduler", and is never called otherwise.
+    assert settings.node_choice == "extender"
 
 
 # ---------------------------------------------------------- Kubernetes objects
