@@ -134,6 +134,7 @@ def test_a_pick_no_bind_came_for_expires() -> None:
     assert passed(svc, first, ["a"]) == ["a"]
     assert passed(svc, second, ["a"]) == []
     clock.now_s += PICK_HOLD_S + 0.1
+    assert svc.counts()["picked"] == 0  # the gauge does not wait for the next filter
     assert passed(svc, second, ["a"]) == ["a"]
     assert svc.counts()["picked"] == 1
     # The first pod's late bind plans afresh, and the room is the second's now.

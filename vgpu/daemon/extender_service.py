@@ -260,6 +260,7 @@ class ExtenderService:
 
     def counts(self) -> dict[str, int]:
         with self._lock:
+            self._expire_picks()  # the gauge shows no room held past its time
             return {
                 "nodes": sum(1 for n in self.book.nodes.values() if n.inventory is not None),
                 "pods": len(self.book.pods),
