@@ -261,10 +261,12 @@ class ExtenderService:
     def counts(self) -> dict[str, int]:
         with self._lock:
             self._expire_picks()  # the gauge shows no room held past its time
+            # Picks are assumptions too; they are counted on their own. A pick
+            # whose assumption is gone (the pod was deleted) holds nothing.
+            picked = len(self._picks.keys() & self.book.assumed)
             return {
                 "nodes": sum(1 for n in self.book.nodes.values() if n.inventory is not None),
                 "pods": len(self.book.pods),
-                # Picks are assumptions too; they are counted on their own.
-                "assumed": len(self.book.assumed) - len(self._picks.keys() & self.book.assumed),
-                "picked": len(self._picks.keys() & self.book.assumed),
+                "assumed": len(self.book.assumed) - picked,
+                "picked": picked,
             }
