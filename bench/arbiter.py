@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import shlex
@@ -56,6 +57,13 @@ VIOLATION_LIMIT_S = 0.2
 TOTAL_LIMIT_PERCENT = 95.0
 SMOOTH_S = 0.3
 STARTUP_S = 0.3  # process start and the first NVML samples: not a neighbour's burst
+# The hooks fall back to the guarantee when the budget file is older than
+# VGPU_ARBITER_STALE_MS (500 ms). A bench process held off the CPU for that long
+# (the shared 2-core box under the test suite) measures the fallback, not the
+# arbiter: such a run is discarded and run again, at most ATTEMPTS times in all,
+# and the result says how many runs it took and the longest gap seen.
+STALL_S = 0.4
+ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -216,8 +224,10 @@ def run_scenario(
     t0 = time.monotonic() + warmup_s
     wall_t0 = time.time() + warmup_s
 
+    periods: list[float] = []
+
     def on_period(now: float, views: Mapping[str, ShareView]) -> None:
-        pass
+        periods.append(now - t0)
 
     def utilization(uuid: CardUuid) -> Mapping[int, float] | None:
         util: Mapping[int, float] | None = backend.process_utilization(uuid)
@@ -275,7 +285,33 @@ def run_scenario(
     thread.join(timeout=5)
     if errors:
         raise RuntimeError(f"{scenario.name}: a tenant failed: {errors}")
-    return _analyse(scenario, samples)
+    result = _analyse(scenario, samples)
+    result["arbiter_max_gap_s"] = round(max_gap(periods, scenario.segments[-1]), 3)
+    return result
+
+
+def max_gap(periods: Sequence[float], end_s: float) -> float:
+    """The longest time without an arbiter period between 0 and `end_s` (both
+    ends count: a loop that never ran, or stopped early, has a long gap)."""
+    inside = sorted(t for t in periods if 0.0 <= t <= end_s)
+    edges = [0.0, *inside, end_s]
+    return max(b - a for a, b in itertools.pairwise(edges))
+
+
+def run_until_steady(
+    scenario: Scenario, backend: Any, card: CardUuid, work: Path, kernel_us: int
+) -> Json:
+    """run_scenario, run again while the arbiter's loop was held off long enough
+    for the hooks' staleness fallback to start (see STALL_S), at most ATTEMPTS."""
+    gaps = []
+    for attempt in range(1, ATTEMPTS + 1):
+        result = run_scenario(scenario, backend, card, work / f"run{attempt}", kernel_us, True)
+        gaps.append(result["arbiter_max_gap_s"])
+        if result["arbiter_max_gap_s"] <= STALL_S:
+            break
+    result["attempts"] = attempt
+    result["arbiter_gaps_s"] = gaps
+    return result
 
 
 def _smooth(series: list[tuple[float, float]], t: float) -> float:
@@ -437,7 +473,7 @@ def run(quick: bool = False) -> Json:
             chosen = [s for s in chosen if s.name in keep]
         for scenario in chosen:
             results.append(
-                run_scenario(scenario, backend, card, work / scenario.name, kernel_us, True)
+                run_until_steady(scenario, backend, card, work / scenario.name, kernel_us)
             )
         fallback = (
             fallback_check(backend, card, work, kernel_us, seg_s)
