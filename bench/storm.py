@@ -65,13 +65,22 @@ atexit.register(shutil.rmtree, _STATE_DIR, True)
 _STATE = Path(_STATE_DIR) / "gpu"
 
 
-def _arbiter_main(work: Path, containers: int) -> None:
+def stand_in_host_pid(path: Path, pid: int) -> int:
+    """The stand-in's PID namespaces: container c's processes are NVML pid
+    pid + OFFSET * (c + 1) (FAKE_PIDNS_OFFSET, see _env); its budget file is
+    WORK/c<c>/vgpu.shm. On a node the kernel's /proc/locks gives the host pid."""
+    return pid + OFFSET * (int(path.parent.name.removeprefix("c")) + 1)
+
+
+def _arbiter_main(work: Path, containers: int, teller: bool = True) -> None:
     """The node daemon's arbiter over these containers, as in production: in a
     process of its own (the daemon's), never a thread of the harness that spawns
-    the storm (one GIL: every arbiter period would hold the spawner up). Runs
-    until stdin closes."""
+    the storm (one GIL: every arbiter period would hold the spawner up). With
+    `teller`, it tells each hook process its host pid, as the daemon does where
+    the host's /proc is mounted. Runs until stdin closes."""
     from bench.arbiter import _nvml_backend
     from vgpu.daemon.arbiter import Arbiter, Arbitrated
+    from vgpu.daemon.pidteller import HostPidTeller
 
     backend = _nvml_backend()
     card = backend.cards()[0].uuid
@@ -80,8 +89,13 @@ def _arbiter_main(work: Path, containers: int) -> None:
         for c in range(containers)
     ]
     stop = threading.Event()
+    tells = (
+        HostPidTeller(Path("/proc"), stand_in_host_pid, memory=backend.process_memory)
+        if teller
+        else None
+    )
     thread = threading.Thread(
-        target=Arbiter(backend.process_utilization, lambda: arbitrated).run,
+        target=Arbiter(backend.process_utilization, lambda: arbitrated, teller=tells).run,
         args=(stop,),
         daemon=True,
     )
@@ -97,11 +111,12 @@ def _arbiter_main(work: Path, containers: int) -> None:
         pass
 
 
-def _start_arbiter(work: Path, containers: int) -> subprocess.Popen[str]:
+def _start_arbiter(work: Path, containers: int, teller: bool) -> subprocess.Popen[str]:
     """Starts the arbiter's process and waits until it reads the card."""
     env = {**os.environ, "FAKE_GPU_STATE": str(_STATE)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.storm", "--arbiter-for", str(work), str(containers)],
+        [sys.executable, "-m", "bench.storm", "--arbiter-for", str(work), str(containers)]
+        + ([] if teller else ["--no-teller"]),
         cwd=ROOT,
         env=env,
         stdin=subprocess.PIPE,
@@ -168,6 +183,7 @@ def storm(
     seed: int = 0,
     extra_env: dict[str, str] | None = None,
     arbiter: bool = True,
+    teller: bool = True,
 ) -> Json:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="vgpu-storm-", dir=ram_dir()) as tmp:
@@ -176,7 +192,7 @@ def storm(
             (work / f"c{c}").mkdir()
             budget.ensure(work / f"c{c}" / budget.FILE_NAME)
         envs = [{**_env(work, i, hooked), **(extra_env or {})} for i in range(containers)]
-        arbiter_proc = _start_arbiter(work, containers) if hooked and arbiter else None
+        arbiter_proc = _start_arbiter(work, containers, teller) if hooked and arbiter else None
         victims = set(rng.sample(range(n), int(n * KILL_FRACTION))) if kill else set()
         procs: list[subprocess.Popen[bytes]] = []
         spawned_at: list[float] = []
@@ -280,10 +296,11 @@ def storm(
             "init_ms_p99": round(percentile(values, 99), 2) if values else None,
             "identified": {"right": right, "wrong": wrong, "unknown": unknown} if hooked else None,
             "arbiter_cpu_s": arbiter_cpu_s,
+            "teller": hooked and arbiter and teller,
         }
 
 
-def run(processes: int = 300, quick: bool = False, rounds: int = 1) -> Json:
+def run(processes: int = 300, quick: bool = False, rounds: int = 1, teller: bool = True) -> Json:
     """`rounds` > 1: per layout, that many storms without and with the hook, taken
     in turns; the targets use the median round (one storm of 0.4-1 s on a shared
     box moves by 0.1-0.3 s, i.e. 0.3-1 ms per process of 300)."""
@@ -297,9 +314,13 @@ def run(processes: int = 300, quick: bool = False, rounds: int = 1) -> Json:
         pairs = []
         for _ in range(max(1, rounds)):
             base = storm(processes, containers, hooked=False, kill=False, settle_s=settle_s)
-            hook = storm(processes, containers, hooked=True, kill=False, settle_s=settle_s)
+            hook = storm(
+                processes, containers, hooked=True, kill=False, settle_s=settle_s, teller=teller
+            )
             pairs.append((base, hook))
-        killing = storm(processes, containers, hooked=True, kill=True, settle_s=settle_s)
+        killing = storm(
+            processes, containers, hooked=True, kill=True, settle_s=settle_s, teller=teller
+        )
         added_ms = [(h["wall_s"] - b["wall_s"]) * 1e3 / processes for b, h in pairs]
         p99_ms = [h["init_ms_p99"] - b["init_ms_p99"] for b, h in pairs]
         median = sorted(range(len(pairs)), key=lambda i: added_ms[i])[len(pairs) // 2]
@@ -330,6 +351,7 @@ def run(processes: int = 300, quick: bool = False, rounds: int = 1) -> Json:
     return {
         "available": True,
         "processes": processes,
+        "teller": teller,
         "layouts": rows,
         "targets": [
             Target(
@@ -356,13 +378,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="storms without and with the hook per layout, in turns; the targets use the median",
     )
     parser.add_argument(
+        "--no-teller",
+        action="store_true",
+        help="the daemon does not tell host pids (no host /proc): each hook finds its own",
+    )
+    parser.add_argument(
         "--arbiter-for", nargs=2, metavar=("WORK", "CONTAINERS"), help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
     if args.arbiter_for:  # the arbiter's own process (_start_arbiter)
-        _arbiter_main(Path(args.arbiter_for[0]), int(args.arbiter_for[1]))
+        _arbiter_main(Path(args.arbiter_for[0]), int(args.arbiter_for[1]), not args.no_teller)
         return 0
-    result = run(args.processes, rounds=args.rounds)
+    result = run(args.processes, rounds=args.rounds, teller=not args.no_teller)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text)

@@ -57,6 +57,22 @@ static int ofd_lock(int fd, off_t offset, short type, int wait)
     return rc;
 }
 
+/* This process's classic POSIX write lock on slot i's pid byte: the kernel
+ * shows its owner in the host's /proc/locks under its host pid, which the node
+ * daemon tells back (vgpu_shared.h).  Process-owned: never inherited by a fork
+ * child, gone when the process dies or closes the file. */
+static void pid_lock(int fd, int i)
+{
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET,
+                       .l_start = VGPU_PID_LOCK_BASE + i, .l_len = 1};
+    int rc;
+    do
+        rc = fcntl(fd, F_SETLK, &fl);
+    while (rc != 0 && errno == EINTR);
+    if (rc != 0)
+        VGPU_TRACE("budget: no pid lock on slot %d (errno %d)", i, errno);
+}
+
 /* 1 if no open file holds slot i's liveness lock: its process is gone.
  * Never asked for our own slot (our own lock does not conflict with us). */
 static int slot_dead(int i)
@@ -298,8 +314,13 @@ static struct vgpu_shared *map_shared(const char *dir)
         goto fail;
     }
     if (__atomic_load_n(&s->magic, __ATOMIC_ACQUIRE) == 0) { /* new, or pre-created zero-filled */
+        /* The node daemon's teller may already beat on the pre-created file:
+         * its heartbeat survives, so that this container's first processes
+         * leave their host pids to it too. */
+        uint64_t teller_at = __atomic_load_n(&s->teller_at_ns, __ATOMIC_ACQUIRE);
         memset(s, 0, sizeof(*s));
         init_header(s);
+        __atomic_store_n(&s->teller_at_ns, teller_at, __ATOMIC_RELEASE);
     } else if (s->magic != VGPU_SHARED_MAGIC) {
         snprintf(why, sizeof(why), "not a budget file: garbage where the magic number goes");
         goto fail;
@@ -358,6 +379,9 @@ static void clear_slot(struct vgpu_shared *s, int i)
     }
     s->slots[i].pid = 0;
     s->slots[i].host_pid = 0;
+    __atomic_store_n(&s->told[i], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->awaiting[i], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->measured[i], 0, __ATOMIC_RELAXED);
 }
 
 /* Reclaims the slots of dead processes: those whose liveness lock we can take. */
@@ -392,6 +416,9 @@ static int claim_slot(struct vgpu_shared *s)
         for (int i = 0; i < VGPU_MAX_SLOTS; i++)
             if ((pass || __atomic_load_n(&s->slots[i].pid, __ATOMIC_RELAXED) == 0) &&
                 ofd_lock(shm_fd, VGPU_SLOT_LOCK_BASE + i, F_WRLCK, 0) == 0) {
+                __atomic_store_n(&s->told[i], 0, __ATOMIC_RELAXED);
+                __atomic_store_n(&s->awaiting[i], 0, __ATOMIC_RELAXED);
+                __atomic_store_n(&s->measured[i], 0, __ATOMIC_RELAXED);
                 __atomic_store_n(&s->slots[i].host_pid, 0, __ATOMIC_RELAXED);
                 __atomic_store_n(&s->slots[i].pid, getpid(), __ATOMIC_RELEASE);
                 return i;
@@ -432,6 +459,7 @@ static struct vgpu_shared *lock_with_slot(void)
         s->slots[slot].host_pid = my_host_pid;
         if ((uint32_t)slot >= s->slot_hwm || s->slot_hwm > VGPU_MAX_SLOTS)
             s->slot_hwm = (uint32_t)slot + 1;
+        pid_lock(shm_fd, slot);
         VGPU_TRACE("budget: pid %d took slot %d", getpid(), slot);
     }
     __atomic_store_n(&my_slot, slot, __ATOMIC_RELEASE);
@@ -603,9 +631,70 @@ void vgpu_budget_set_host_pid(unsigned host_pid)
     unlock_budget(s);
 }
 
+/* The host pid the node daemon told for our slot, adopted once (0 = none yet).
+ * The told word carries the slot's pid: a word meant for the slot's previous
+ * process is never taken. */
+static unsigned adopt_told(void)
+{
+    struct vgpu_shared *s = __atomic_load_n(&shm, __ATOMIC_ACQUIRE);
+    int slot = __atomic_load_n(&my_slot, __ATOMIC_ACQUIRE);
+    if (!s || shm_private || slot < 0)
+        return 0;
+    uint64_t word = __atomic_load_n(&s->told[slot], __ATOMIC_ACQUIRE);
+    int32_t pid = __atomic_load_n(&s->slots[slot].pid, __ATOMIC_RELAXED);
+    unsigned host = (unsigned)(word & 0xffffffffu);
+    if (!host || pid <= 0 || (uint32_t)(word >> 32) != (uint32_t)pid)
+        return 0;
+    unsigned expected = 0;
+    if (__atomic_compare_exchange_n(&my_host_pid, &expected, host, 0, __ATOMIC_RELAXED,
+                                    __ATOMIC_RELAXED)) {
+        __atomic_store_n(&s->slots[slot].host_pid, host, __ATOMIC_RELEASE);
+        VGPU_TRACE("budget: the node daemon told host pid %u", host);
+        return host;
+    }
+    return expected;
+}
+
 unsigned vgpu_budget_host_pid(void)
 {
-    return __atomic_load_n(&my_host_pid, __ATOMIC_RELAXED);
+    unsigned host = __atomic_load_n(&my_host_pid, __ATOMIC_RELAXED);
+    return host ? host : adopt_told();
+}
+
+void vgpu_budget_await_overhead(int entry)
+{
+    struct vgpu_shared *s = __atomic_load_n(&shm, __ATOMIC_ACQUIRE);
+    int slot = __atomic_load_n(&my_slot, __ATOMIC_ACQUIRE);
+    if (s && !shm_private && slot >= 0)
+        __atomic_store_n(&s->awaiting[slot], entry >= 0 ? (uint32_t)entry + 1 : 0,
+                         __ATOMIC_RELEASE);
+}
+
+long long vgpu_budget_measured_overhead(int entry)
+{
+    struct vgpu_shared *s = __atomic_load_n(&shm, __ATOMIC_ACQUIRE);
+    int slot = __atomic_load_n(&my_slot, __ATOMIC_ACQUIRE);
+    if (!s || shm_private || slot < 0 || entry < 0)
+        return -1;
+    uint64_t word = __atomic_load_n(&s->measured[slot], __ATOMIC_ACQUIRE);
+    int32_t pid = __atomic_load_n(&s->slots[slot].pid, __ATOMIC_RELAXED);
+    if (!word || pid <= 0 || (uint32_t)(word >> 32) != (uint32_t)pid ||
+        ((word >> 24) & 0xff) != (uint64_t)entry + 1)
+        return -1;
+    return (long long)(word & 0xffffff) * (long long)VGPU_MIB;
+}
+
+int vgpu_budget_teller_alive(void)
+{
+    if (!vgpu_cfg.shared_dir) /* no file to be told through */
+        return 0;
+    struct vgpu_shared *s = budget();
+    if (shm_private)
+        return 0;
+    uint64_t at = __atomic_load_n(&s->teller_at_ns, __ATOMIC_ACQUIRE);
+    long long now = vgpu_now_ns();
+    return at && (long long)at <= now + 1000000000ll &&
+           now - (long long)at <= VGPU_TELLER_STALE_MS * 1000000ll;
 }
 
 void vgpu_budget_after_fork(void)

@@ -210,7 +210,8 @@ void vgpu_device_after_fork(void)
 
 struct snapshot {
     nvmlDevice_t dev;
-    int n; /* -1: no list */
+    int n;      /* -1: no list */
+    int teller; /* the node daemon tells the host pid: nothing listed */
     nvmlProcessInfo_v2_t procs[MAX_PROCS];
     unsigned sorted[MAX_PROCS]; /* the pids of procs, sorted (after sort_pids) */
 };
@@ -250,6 +251,15 @@ static int before_context(CUdevice ordinal, struct snapshot **out)
     if (!s)
         return 0;
     s->n = -1;
+    /* The node daemon tells host pids for this container (its compute
+     * arbiter runs, so this process has a compute controller to adopt it):
+     * no list of the card's processes before and after, the two lists each
+     * process of a start-up storm would otherwise make. */
+    if (vgpu_cfg.core_percent && !vgpu_budget_host_pid() && vgpu_budget_teller_alive()) {
+        s->teller = 1;
+        *out = s;
+        return 1;
+    }
     char uuid[VGPU_UUID_BYTES];
     long long t0 = vgpu_trace_on ? vgpu_now_ns() : 0;
     int loaded = vgpu_nvml_load();
@@ -278,6 +288,17 @@ struct candidates {
 
 enum { TOLD, UNTOLD, NO_PROCESS_MEMORY, NO_CANDIDATE };
 
+/* Contexts made while the node daemon tells host pids: the host pid to wait
+ * for, and the overhead estimate charged meanwhile (under pending_lock). */
+struct awaiting {
+    int entry;           /* budget entry the estimate went to; -1 = none */
+    uint64_t charged;    /* estimate charged (memory limit only) */
+    int tries_left;      /* compute controller periods, for the host pid */
+    int measure_left;    /* then for the daemon's measurement */
+};
+static struct awaiting awaiting[MAX_ORDINALS];
+static int have_awaiting; /* contexts waiting */
+
 static struct candidates pending; /* under pending_lock */
 static int have_pending;
 static pthread_mutex_t pending_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -287,6 +308,8 @@ static void forget_candidates(void)
     pthread_mutex_init(&pending_lock, NULL);
     pending.n = 0;
     have_pending = 0;
+    memset(awaiting, 0, sizeof(awaiting));
+    have_awaiting = 0;
 }
 
 /* Each candidate's used memory now (GONE where not listed); -1 without a list. */
@@ -447,14 +470,94 @@ static void log_untold(int count, int why)
                                    : "the container's NVML process list leaves it out");
 }
 
+
+/* The context's own usedGpuMemory on `ordinal` now (NVML_VALUE_NOT_AVAILABLE
+ * if not listed): one list, made once the host pid is known. */
+static unsigned long long own_memory(int ordinal, unsigned host)
+{
+    char uuid[VGPU_UUID_BYTES];
+    nvmlDevice_t dev;
+    unsigned long long mem = NVML_VALUE_NOT_AVAILABLE;
+    if (vgpu_nvml_load() != 0 || vgpu_device_uuid(ordinal, uuid) != 0 ||
+        vgpu_nvml.by_uuid(uuid, &dev) != NVML_SUCCESS)
+        return mem;
+    nvmlProcessInfo_v2_t *buf = calloc(MAX_PROCS, sizeof(*buf));
+    int n = buf ? vgpu_nvml_processes(dev, buf, MAX_PROCS) : -1;
+    for (int i = 0; i < n; i++)
+        if (buf[i].pid == host)
+            mem = buf[i].usedGpuMemory;
+    free(buf);
+    return mem;
+}
+
+/* Replaces the estimate charged for the context on `a`'s entry by `mem`. */
+static void correct_overhead(const struct awaiting *a, unsigned long long mem)
+{
+    if (mem == NVML_VALUE_NOT_AVAILABLE)
+        return;
+    if (mem > a->charged)
+        vgpu_budget_charge(a->entry, mem - a->charged);
+    else
+        vgpu_budget_release(a->entry, a->charged - mem);
+}
+
+/* The told host pid arrived (or never will); then, under a memory limit, the
+ * daemon measures the context's overhead (one NVML list per card per period
+ * for the whole node, not one per process), which replaces the estimate.  Not
+ * measured within LATER_TRIES periods: one list of our own.  One context at a
+ * time asks.  Compute controller thread, once per period. */
+static void settle_awaiting(void)
+{
+    static int logged, asking = -1;
+    if (!__atomic_load_n(&have_awaiting, __ATOMIC_ACQUIRE))
+        return;
+    unsigned host = vgpu_budget_host_pid();
+    pthread_mutex_lock(&pending_lock);
+    for (int o = 0; o < MAX_ORDINALS && have_awaiting; o++) {
+        struct awaiting *a = &awaiting[o];
+        if (!a->tries_left)
+            continue;
+        if (!host) {
+            if (--a->tries_left > 0)
+                continue;
+            vgpu_log(&logged, "the node daemon did not tell this process's host pid within 2 s; "
+                     "compute is throttled on the whole card's utilisation");
+        } else if (vgpu_cfg.memory_limit != VGPU_NO_LIMIT && a->entry >= 0) {
+            if (asking < 0) {
+                asking = o;
+                a->measure_left = LATER_TRIES;
+                vgpu_budget_await_overhead(a->entry);
+                continue;
+            }
+            if (asking != o)
+                continue;
+            long long mem = vgpu_budget_measured_overhead(a->entry);
+            if (mem < 0 && --a->measure_left > 0)
+                continue;
+            correct_overhead(a, mem >= 0 ? (unsigned long long)mem : own_memory(o, host));
+            VGPU_TRACE("context on device %d: overhead %lld bytes, %s", o,
+                       mem >= 0 ? mem : -1, mem >= 0 ? "measured by the node daemon"
+                                                     : "not measured by the node daemon: listed");
+            vgpu_budget_await_overhead(-1);
+            asking = -1;
+        }
+        VGPU_TRACE("context on device %d: host pid %u, told by the node daemon", o, host);
+        a->tries_left = 0;
+        __atomic_store_n(&have_awaiting, have_awaiting - 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&pending_lock);
+}
+
 int vgpu_device_host_pid_pending(void)
 {
-    return __atomic_load_n(&have_pending, __ATOMIC_ACQUIRE);
+    return __atomic_load_n(&have_pending, __ATOMIC_ACQUIRE) ||
+           __atomic_load_n(&have_awaiting, __ATOMIC_ACQUIRE);
 }
 
 /* Later tries, from the compute controller thread: once per period. */
 void vgpu_device_retry_host_pid(void)
 {
+    settle_awaiting();
     if (!__atomic_load_n(&have_pending, __ATOMIC_ACQUIRE))
         return;
     pthread_mutex_lock(&pending_lock);
@@ -486,10 +589,35 @@ void vgpu_device_retry_host_pid(void)
     pthread_mutex_unlock(&pending_lock);
 }
 
+/* A context made while the node daemon tells host pids: the estimate is
+ * charged now; the controller adopts the told pid and measures the overhead. */
+static void told_later(CUdevice ordinal)
+{
+    int entry = vgpu_device_entry(ordinal);
+    uint64_t charged = 0;
+    if (vgpu_cfg.memory_limit != VGPU_NO_LIMIT && vgpu_cfg.context_overhead) {
+        charged = vgpu_cfg.context_overhead;
+        vgpu_budget_charge(entry, charged);
+    }
+    pthread_mutex_lock(&pending_lock);
+    if (!awaiting[ordinal].tries_left) {
+        awaiting[ordinal] = (struct awaiting){.entry = entry, .charged = charged,
+                                              .tries_left = LATER_TRIES};
+        __atomic_store_n(&have_awaiting, have_awaiting + 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&pending_lock);
+    VGPU_TRACE("context on device %d: host pid left to the node daemon", ordinal);
+}
+
 static void after_context(CUdevice ordinal, CUcontext ctx, struct snapshot *before)
 {
     static int logged_mem;
     if (__atomic_exchange_n(&context_done[ordinal], 1, __ATOMIC_ACQ_REL)) {
+        free(before);
+        return;
+    }
+    if (before->teller) {
+        told_later(ordinal);
         free(before);
         return;
     }

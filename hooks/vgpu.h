@@ -136,9 +136,16 @@ int vgpu_budget_poll_take(void);
 void vgpu_budget_poll_begin(void);
 void vgpu_budget_poll_slot(int slot, double percent);
 void vgpu_budget_poll_end(int rc, double container_percent, long long at_ns);
-/* This process's host pid, once learned (0 = not known). */
+/* This process's host pid, once learned (0 = not known); a host pid the node
+ * daemon told for our slot is adopted here. */
 void vgpu_budget_set_host_pid(unsigned host_pid);
 unsigned vgpu_budget_host_pid(void);
+/* 1 while the node daemon tells host pids for this file (a fresh heartbeat). */
+int vgpu_budget_teller_alive(void);
+/* Asks the node daemon to measure this process's memory on budget entry
+ * `entry` (-1: nothing asked); the bytes it measured there, or -1 (none yet). */
+void vgpu_budget_await_overhead(int entry);
+long long vgpu_budget_measured_overhead(int entry);
 /* The compute arbiter's word (vgpu_shared.h); 0 without a shared file. */
 uint64_t vgpu_budget_arbiter(void);
 /* A launch waited for tokens: counted in the file for the arbiter. */

@@ -28,6 +28,16 @@
  *    `poll_*` under a sequence lock (`poll_seq` odd while it writes); the
  *    other processes read it instead of each querying NVML.  A publication
  *    older than VGPU_POLL_STALE_MS lets another process take over.
+ *  - Each process with a slot also holds a classic POSIX (process-owned)
+ *    write lock on byte VGPU_PID_LOCK_BASE + slot index.  The kernel lists
+ *    its owner in /proc/locks with the pid of the namespace that procfs
+ *    belongs to: the node daemon reads the host's /proc/locks, finds the
+ *    host pid of every slot, and tells it in `told` (the slot's own pid in
+ *    the high half, so that a slot taken over meanwhile never adopts another
+ *    process's pid); `teller_at_ns` is its heartbeat.  While the heartbeat is
+ *    fresh (VGPU_TELLER_STALE_MS) a new context does not list the card's
+ *    processes to find its host pid: the daemon tells it within a period,
+ *    and measures the context's memory (`awaiting` -> `measured`).
  *  - The file is sized, allocated and initialised under an OFD lock on
  *    byte 0.  A zero-filled file (magic 0), as the daemon pre-creates it, is
  *    initialised by the first process.
@@ -38,10 +48,10 @@
 #include <stdint.h>
 
 #define VGPU_SHARED_MAGIC 0x76475055u /* "UPGv" */
-#define VGPU_SHARED_VERSION 4u
+#define VGPU_SHARED_VERSION 5u
 #define VGPU_SHARED_FILE "vgpu.shm"
 /* The file's one size: sizeof(struct vgpu_shared) rounded up to 4 KiB. */
-#define VGPU_SHARED_FILE_BYTES 143360u
+#define VGPU_SHARED_FILE_BYTES 163840u
 #define VGPU_MAX_DEVICES 16
 #define VGPU_MAX_SLOTS 1024
 #define VGPU_UUID_BYTES 48 /* "GPU-" or "MIG-" + 36 hex/dash, NUL-padded */
@@ -64,6 +74,11 @@
 #define VGPU_ARBITER_SHARE_MASK 0xffffull
 #define VGPU_ARBITER_SEQ_SHIFT 16
 #define VGPU_ARBITER_STALE_MS 500
+/* POSIX lock byte of slot i: VGPU_PID_LOCK_BASE + i (its owner's host pid, in
+ * the host's /proc/locks). */
+#define VGPU_PID_LOCK_BASE (VGPU_SLOT_LOCK_BASE + VGPU_MAX_SLOTS)
+/* A teller heartbeat older than this (ms): the hook finds its host pid itself. */
+#define VGPU_TELLER_STALE_MS 1000
 
 struct vgpu_slot {
     int32_t pid;       /* 0 = free; the pid as seen inside the container */
@@ -99,6 +114,13 @@ struct vgpu_shared {
     uint32_t poll_container_centi; /* the container's SM utilisation (busiest card), 1/100 % */
     uint32_t poll_reserved;
     uint16_t poll_slot_centi[VGPU_MAX_SLOTS]; /* each slot's own share of it, 1/100 % */
+    /* ---- v5: written by the node daemon (host pids from the host's /proc/locks) ---- */
+    uint64_t teller_at_ns;         /* CLOCK_MONOTONIC of its last pass; 0 = never */
+    uint64_t told[VGPU_MAX_SLOTS]; /* slot pid << 32 | host pid; 0 = nothing told */
+    /* A told process's context overhead, measured by the daemon from one NVML
+     * list per card per period rather than one list per process: */
+    uint32_t awaiting[VGPU_MAX_SLOTS]; /* hook: device entry + 1 it waits for; 0 = none */
+    uint64_t measured[VGPU_MAX_SLOTS]; /* daemon: slot pid << 32 | (entry + 1) << 24 | MiB */
 };
 
 _Static_assert(sizeof(struct vgpu_shared) <= VGPU_SHARED_FILE_BYTES &&

@@ -72,6 +72,7 @@ class Settings:
     api_unready_after_s: float = 60.0
     device_list_strategy: str = "envvar"
     host_dev_dir: Path = Path("/dev")
+    host_proc_dir: Path = Path("/host/proc")
     unallocated_policy: str = "warn"
     default_core_limit_percent: int | None = None  # burst cap; None: equals the guarantee
 
@@ -137,6 +138,10 @@ KEYS: dict[str, str] = {
         "cdi_dir) or volume-mounts (/var/run/nvidia-container-devices)"
     ),
     "host_dev_dir": "the host's /dev as mounted here: only device nodes present there are named",
+    "host_proc_dir": (
+        "the host's /proc as mounted here (read-only): its locks file names each hook process's "
+        "host pid, so that hooks need not list the card's processes at start; unreadable: off"
+    ),
     "unallocated_policy": (
         "a running container asking vcuda resources that holds no vgpu device: warn (event "
         "and metric) or evict (also evicted through the Eviction API)"
@@ -159,6 +164,7 @@ _PATHS = {
     "kubelet_plugin_dir",
     "cdi_dir",
     "host_dev_dir",
+    "host_proc_dir",
 }
 _OPTIONAL = {
     "mock_gpus",

@@ -11,7 +11,9 @@ int main(void)
            "\"max_devices\": %d, \"max_slots\": %d, \"uuid_bytes\": %d, \"slot_lock_base\": %d, "
            "\"file\": \"%s\", \"offsets\": {\"magic\": %zu, \"version\": %zu, \"file_bytes\": %zu, "
            "\"slot_count\": %zu, \"slot_hwm\": %zu, \"device_count\": %zu, \"arbiter\": %zu, \"used\": %zu, "
-           "\"devices\": %zu, \"slots\": %zu, \"poll_seq\": %zu}, \"slot_bytes\": %zu, "
+           "\"devices\": %zu, \"slots\": %zu, \"poll_seq\": %zu, \"teller_at_ns\": %zu, \"told\": %zu, "
+           "\"awaiting\": %zu, \"measured\": %zu}, "
+           "\"pid_lock_base\": %d, \"slot_bytes\": %zu, "
            "\"slot_offsets\": {\"pid\": %zu, \"host_pid\": %zu, \"used\": %zu}}\n",
            VGPU_SHARED_FILE_BYTES, sizeof(struct vgpu_shared), VGPU_SHARED_MAGIC,
            VGPU_SHARED_VERSION, VGPU_MAX_DEVICES, VGPU_MAX_SLOTS, VGPU_UUID_BYTES,
@@ -21,7 +23,9 @@ int main(void)
            offsetof(struct vgpu_shared, device_count), offsetof(struct vgpu_shared, arbiter),
            offsetof(struct vgpu_shared, used),
            offsetof(struct vgpu_shared, devices), offsetof(struct vgpu_shared, slots),
-           offsetof(struct vgpu_shared, poll_seq),
+           offsetof(struct vgpu_shared, poll_seq), offsetof(struct vgpu_shared, teller_at_ns),
+           offsetof(struct vgpu_shared, told), offsetof(struct vgpu_shared, awaiting),
+           offsetof(struct vgpu_shared, measured), VGPU_PID_LOCK_BASE,
            sizeof(struct vgpu_slot), offsetof(struct vgpu_slot, pid),
            offsetof(struct vgpu_slot, host_pid), offsetof(struct vgpu_slot, used));
     return 0;

@@ -25,6 +25,7 @@ HOST_DIRS = {
     "/var/lib/vgpu": "DirectoryOrCreate",
     "/usr/local/vgpu": "DirectoryOrCreate",
     "/dev": "Directory",  # read-only at /host/dev: which device nodes the host has
+    "/proc": "Directory",  # read-only at /host/proc: hook processes' host pids
 }
 
 
@@ -151,7 +152,8 @@ def test_host_paths_and_their_types() -> None:
     for name, volume in volumes.items():
         if "hostPath" in volume:
             path = volume["hostPath"]["path"]
-            assert mounted[name] == ("/host/dev" if path == "/dev" else path), name
+            want = {"/dev": "/host/dev", "/proc": "/host/proc"}.get(path, path)
+            assert mounted[name] == want, name
 
 
 def test_a_node_runs_one_mode() -> None:

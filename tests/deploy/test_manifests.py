@@ -30,6 +30,7 @@ HOST_DIRS = {
     "/usr/local/vgpu",
     # /var/run/cdi only with deviceListStrategy: cdi (tests/deploy/test_chart.py)
     "/dev",  # read-only at /host/dev: which device nodes the host has
+    "/proc",  # read-only at /host/proc: its locks file names hook processes' host pids
 }
 
 
@@ -254,10 +255,11 @@ def test_host_paths_cover_the_four_directories(
     assert {h["path"] for h in host.values()} == HOST_DIRS
     mounted = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     for name, source in host.items():
-        want = "/host/dev" if source["path"] == "/dev" else source["path"]
+        want = {"/dev": "/host/dev", "/proc": "/host/proc"}.get(source["path"], source["path"])
         assert mounted[name] == want, name
-    host_dev = next(m for m in container["volumeMounts"] if m["mountPath"] == "/host/dev")
-    assert host_dev["readOnly"] is True
+    for read_only in ("/host/dev", "/host/proc"):
+        mount = next(m for m in container["volumeMounts"] if m["mountPath"] == read_only)
+        assert mount["readOnly"] is True, read_only
     by_path = {h["path"]: h["type"] for h in host.values()}
     assert by_path["/var/lib/vgpu"] == "DirectoryOrCreate"
     assert by_path["/usr/local/vgpu"] == "DirectoryOrCreate"

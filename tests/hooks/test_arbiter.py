@@ -91,7 +91,7 @@ def test_an_old_format_file_is_refused_by_the_hook_with_both_versions_named(
     lines, err = probe("alloc", "mem", 64, VGPU_SHARED_DIR=tmp_path, VGPU_MEMORY_LIMIT_MIB=1024)
     assert lines[0]["rc"] == 0
     said = " ".join(vgpu_lines(err))
-    assert "format version 3, this hook reads only version 4" in said, err
+    assert f"format version 3, this hook reads only version {budget.VERSION}" in said, err
     assert "restart the pod" in said
     # never misread, never written: the old file is as it was
     assert struct.unpack("<II", (tmp_path / budget.FILE_NAME).read_bytes()[:8]) == (
@@ -104,7 +104,9 @@ def test_an_old_format_file_is_refused_by_the_daemon(tmp_path: Path) -> None:
     path = tmp_path / budget.FILE_NAME
     _old_file(path, 3)
     before = path.read_bytes()
-    with pytest.raises(budget.OldFormat, match="version 3, this daemon speaks version 4"):
+    with pytest.raises(
+        budget.OldFormat, match=f"version 3, this daemon speaks version {budget.VERSION}"
+    ):
         budget.write_arbiter(path, 1, 5000, 3000, 10000, 0)
     assert path.read_bytes() == before
     assert budget.read_arbiter(path) is None

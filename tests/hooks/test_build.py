@@ -39,6 +39,11 @@ def test_budget_file_layout_is_the_same_in_c_and_python() -> None:
     assert offsets["devices"] == budget.DEVICES_AT
     assert offsets["slots"] == budget.SLOTS_AT
     assert offsets["poll_seq"] == budget.POLL_AT
+    assert offsets["teller_at_ns"] == budget.TELLER_AT
+    assert offsets["told"] == budget.TOLD_AT
+    assert offsets["awaiting"] == budget.AWAITING_AT
+    assert offsets["measured"] == budget.MEASURED_AT
+    assert layout["pid_lock_base"] == budget.PID_LOCK_BASE
     assert layout["slot_bytes"] == budget.SLOT.size
     assert layout["slot_offsets"] == {"pid": 0, "host_pid": 4, "used": 8}
     fields = ["magic", "version", "file_bytes", "slot_count", "slot_hwm", "device_count"]

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from vgpu.adapters import budget
+
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS = ROOT / "hooks"
 BUILD = HOOKS / "build"
@@ -465,12 +467,12 @@ def _plant(shared: str, what: str) -> None:
     if what == "short":
         path.write_bytes(b"not a vgpu file")  # wrong size: never mapped
     elif what == "garbage":
-        path.write_bytes(os.urandom(143360))  # the right size, another layout
+        path.write_bytes(os.urandom(budget.FILE_BYTES))  # the right size, another layout
     elif what == "fifo":
         os.mkfifo(path)  # opening it must not block
     elif what == "symlink":
         target = Path(shared, "elsewhere")
-        target.write_bytes(b"\0" * 143360)
+        target.write_bytes(b"\0" * budget.FILE_BYTES)
         path.symlink_to(target)  # never followed
     elif what == "directory":
         path.mkdir()
@@ -486,12 +488,12 @@ def test_incompatible_shared_file_falls_back(shared: str, what: str) -> None:
     assert lines[0]["rc"] == 0 and lines[1]["free"] == 50 * MIB
     assert len(vgpu_lines(err)) == 1 and ("unusable" in err or "cannot open" in err)
     if what == "symlink":
-        assert Path(shared, "elsewhere").read_bytes() == b"\0" * 143360  # untouched
+        assert Path(shared, "elsewhere").read_bytes() == b"\0" * budget.FILE_BYTES  # untouched
 
 
 def test_precreated_zero_filled_file_is_initialised_and_shared(shared: str) -> None:
     """As the daemon creates it: zero-filled, full size, blocks allocated."""
-    Path(shared, "vgpu.shm").write_bytes(b"\0" * 143360)
+    Path(shared, "vgpu.shm").write_bytes(b"\0" * budget.FILE_BYTES)
     limit = {"VGPU_MEMORY_LIMIT_MIB": 100, "VGPU_SHARED_DIR": shared}
     holder, _ = start_probe("alloc", "mem", 60, **limit)
     try:

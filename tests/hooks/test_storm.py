@@ -25,10 +25,19 @@ from tests.hooks.test_hooks import BUILD
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("containers", [1, 10])
-def test_fifty_processes_start_together_and_survive_kills(containers: int) -> None:
-    result = storm(50, containers, hooked=True, kill=True, settle_s=6.0, seed=containers)
+@pytest.mark.parametrize(
+    ("containers", "teller"),
+    [(1, True), (10, True), (10, False)],
+    ids=["1-container-told", "10-containers-told", "10-containers-self-identified"],
+)
+def test_fifty_processes_start_together_and_survive_kills(containers: int, teller: bool) -> None:
+    """told: the daemon's arbiter tells host pids (vgpu/daemon/pidteller.py);
+    self-identified: it does not, and each hook diffs the card's process lists."""
+    result = storm(
+        50, containers, hooked=True, kill=True, settle_s=6.0, seed=containers, teller=teller
+    )
     print(result)
+    assert result["teller"] is teller
     # 5 victims, each killed 0-40 ms after its spawn unless it was ready before
     assert 1 <= result["killed"] <= 5, result
     assert result["stuck"] == 0, result

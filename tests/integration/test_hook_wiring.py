@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from vgpu.adapters import budget
 from vgpu.sim.harness import SimNode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +41,7 @@ def test_allocate_mounts_and_preloads_the_installed_hook(tmp_path: Path) -> None
         assert not budget_mount.read_only
         assert "/var/run/vgpu" not in mounts
         budget_file = Path(budget_mount.host_path)
-        assert budget_file.is_file() and budget_file.stat().st_size == 143360
+        assert budget_file.is_file() and budget_file.stat().st_size == budget.FILE_BYTES
         assert oct(budget_file.stat().st_mode & 0o777) == oct(0o666)
         assert oct(budget_file.parent.stat().st_mode & 0o7777) == oct(0o755)
         assert c.envs["VGPU_SHARED_DIR"] == "/var/run/vgpu"

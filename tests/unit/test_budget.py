@@ -57,6 +57,28 @@ def test_a_version_1_file_of_a_running_old_container_is_left_alone(tmp_path: Pat
     assert path.stat().st_size == 139464
 
 
+@pytest.mark.parametrize("version", [2, 3, 4])
+def test_a_file_of_versions_2_to_4_is_left_at_the_size_its_hooks_map(
+    tmp_path: Path, version: int
+) -> None:
+    path = tmp_path / budget.FILE_NAME
+    path.write_bytes(struct.pack("<II", budget.MAGIC, version) + bytes(143360 - 8))
+    assert budget.ensure(path) is None and budget.cut_back(path) is None
+    assert path.stat().st_size == 143360
+    # the arbiter and the teller refuse it, naming both versions; nothing is written
+    with pytest.raises(budget.OldFormat, match=f"version {version}"):
+        budget.write_arbiter(path, 1, 5000, 3000, 10000, 0)
+    assert budget.tell(path, {0: (7, 1007)}, 1) == 0
+    assert path.read_bytes()[8:] == bytes(143360 - 8)
+
+
+def test_a_file_at_the_old_size_without_an_old_header_is_brought_to_size(tmp_path: Path) -> None:
+    path = tmp_path / budget.FILE_NAME
+    path.write_bytes(struct.pack("<II", budget.MAGIC, budget.VERSION) + bytes(143360 - 8))
+    assert "cut back" in (budget.ensure(path) or "")
+    assert path.stat().st_size == budget.FILE_BYTES
+
+
 def test_something_else_planted_is_replaced(tmp_path: Path) -> None:
     target = tmp_path / "host-file"
     target.write_text("do not touch")

@@ -16,16 +16,18 @@ import fcntl
 import os
 import stat
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu.core.contract import BUDGET_FILE_NAME
 
 FILE_NAME = BUDGET_FILE_NAME
-FILE_BYTES = 143360  # VGPU_SHARED_FILE_BYTES
+FILE_BYTES = 163840  # VGPU_SHARED_FILE_BYTES
 MAGIC = 0x76475055
-# 3: the compute arbiter's words after limit_bytes; 4: the hooks' poller after the slots
-VERSION = 4
+# 3: the compute arbiter's words after limit_bytes; 4: the hooks' poller after the slots;
+# 5: the host pids the daemon tells, after the poller
+VERSION = 5
 MAX_DEVICES = 16
 MAX_SLOTS = 1024
 UUID_BYTES = 48
@@ -49,10 +51,26 @@ SLOT = struct.Struct(f"<iI{MAX_DEVICES}Q")
 # NVML itself): uint32 poll_seq, poll_rc, uint64 poll_at_ns, uint32 container centi,
 # reserved, uint16 per-slot centi[MAX_SLOTS].
 POLL_AT = SLOTS_AT + SLOT.size * MAX_SLOTS
+# v5: after the poller, written by the node daemon: uint64 teller_at_ns (its
+# heartbeat, CLOCK_MONOTONIC) and uint64 told[MAX_SLOTS] (slot pid << 32 | host pid).
+# Then uint32 awaiting[MAX_SLOTS] (a hook asks for its context's memory on device
+# entry - 1) and uint64 measured[MAX_SLOTS] (the daemon's answer: slot pid << 32 |
+# entry + 1 << 24 | MiB).
+TELLER_AT = POLL_AT + 24 + 2 * MAX_SLOTS
+TOLD_AT = TELLER_AT + 8
+AWAITING_AT = TOLD_AT + 8 * MAX_SLOTS
+MEASURED_AT = AWAITING_AT + 4 * MAX_SLOTS
+# POSIX lock byte of slot i: PID_LOCK_BASE + i, held by its process (the host's
+# /proc/locks names that process's host pid).
+PID_LOCK_BASE = SLOT_LOCK_BASE + MAX_SLOTS
 _FLOCK = "hhqqi4x"  # struct flock on Linux x86_64 / aarch64
 # Version 1 files (before the file had one fixed size) belong to containers that
 # still run the old hook, which maps exactly this size: never resize them.
 V1_SIZES = frozenset({139464, 139472})  # x86_64, aarch64 (the pthread mutex differs)
+# Versions 2-4 shared one fixed size, smaller than version 5's: a container still
+# running such a hook maps exactly that size, so its file is never resized either.
+OLD_FIXED_BYTES = 143360
+OLD_FIXED_VERSIONS = frozenset({2, 3, 4})
 _MIB = 1024 * 1024
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -89,9 +107,15 @@ def ensure(path: Path) -> str | None:
     return None
 
 
-def _is_v1(fd: int, size: int) -> bool:
-    head = os.pread(fd, 8, 0) if size in V1_SIZES else b""
-    return len(head) == 8 and struct.unpack("<II", head) == (MAGIC, 1)
+def _is_older(fd: int, size: int) -> bool:
+    """An older release's file, at the size its hooks map."""
+    head = os.pread(fd, 8, 0) if size in V1_SIZES or size == OLD_FIXED_BYTES else b""
+    if len(head) != 8:
+        return False
+    magic, version = struct.unpack("<II", head)
+    if size in V1_SIZES:
+        return (magic, version) == (MAGIC, 1)
+    return magic == MAGIC and version in OLD_FIXED_VERSIONS
 
 
 def _create(path: Path) -> None:
@@ -131,7 +155,7 @@ def cut_back(path: Path) -> str | None:
         return None
     fd, size = opened
     try:
-        if size == FILE_BYTES or _is_v1(fd, size):
+        if size == FILE_BYTES or _is_older(fd, size):
             return None
         if size > FILE_BYTES:
             os.ftruncate(fd, FILE_BYTES)
@@ -202,6 +226,8 @@ def _check_format(path: Path, fd: int, size: int) -> bool:
     """True for a current-version file (or a pre-created zero one), OldFormat for another
     version, False for anything else (wrong size, garbage)."""
     if size != FILE_BYTES:
+        if _is_older(fd, size):
+            raise OldFormat(path, struct.unpack("<II", os.pread(fd, 8, 0))[1])
         return False
     head = os.pread(fd, 8, 0)
     if len(head) != 8:
@@ -324,13 +350,129 @@ def live_host_pids(path: Path) -> frozenset[int] | None:
         data = os.pread(fd, used_slots * SLOT.size, SLOTS_AT)  # only the slots ever used
         if len(data) != used_slots * SLOT.size:
             return None
+        told = os.pread(fd, 8 * used_slots, TOLD_AT)
+        if len(told) != 8 * used_slots:
+            return None
         pids = set()
         for i in range(used_slots):
             pid, host_pid = struct.unpack_from("<iI", data, i * SLOT.size)
+            if pid and not host_pid:  # told, not adopted yet (its hook has no reason to ask)
+                host_pid = _told_host_pid(struct.unpack_from("<Q", told, 8 * i)[0], pid)
             if pid and host_pid and _slot_alive(fd, i):
                 pids.add(host_pid)
         return frozenset(pids)
     except (OSError, OldFormat):
         return None
+    finally:
+        os.close(fd)
+
+
+def _told_host_pid(word: int, pid: int) -> int:
+    """The host pid a told word gives the slot's process (0: none, or meant for
+    the slot's previous process)."""
+    return word & 0xFFFFFFFF if word >> 32 == pid & 0xFFFFFFFF else 0
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A told process waiting for its context's memory on one card."""
+
+    pid: int  # in its container
+    host_pid: int
+    entry: int  # device entry of the budget file
+    card: str  # that entry's card UUID
+    own_bytes: int  # what the process holds there by its own allocations (its slot)
+
+
+@dataclass(frozen=True)
+class TellView:
+    """What the node daemon's teller needs of one budget file."""
+
+    untold: dict[int, int]  # slot -> pid: live processes without a host pid
+    asked: dict[int, Asked]  # slot -> what it waits to have measured
+
+
+def tell_view(path: Path) -> TellView | None:
+    """The slots to tell and to measure; None when the file is not a usable
+    current-version budget file."""
+    opened = _open_regular(path, os.O_RDONLY)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        if not _check_format(path, fd, size):
+            return None
+        head = os.pread(fd, HEADER.size, 0)
+        if len(head) != HEADER.size:
+            return None
+        used_slots = min(HEADER.unpack_from(head, 0)[4], MAX_SLOTS)
+        devices = min(HEADER.unpack_from(head, 0)[5], MAX_DEVICES)
+        data = os.pread(fd, used_slots * SLOT.size, SLOTS_AT)
+        told = os.pread(fd, 8 * used_slots, TOLD_AT)
+        awaiting = os.pread(fd, 4 * used_slots, AWAITING_AT)
+        uuids = os.pread(fd, UUID_BYTES * MAX_DEVICES, DEVICES_AT)
+        if (
+            len(data) != used_slots * SLOT.size
+            or len(told) != 8 * used_slots
+            or len(awaiting) != 4 * used_slots
+            or len(uuids) != UUID_BYTES * MAX_DEVICES
+        ):
+            return None
+        untold, asked = {}, {}
+        for i in range(used_slots):
+            pid, host_pid = struct.unpack_from("<iI", data, i * SLOT.size)
+            if pid <= 0:
+                continue
+            host_pid = host_pid or _told_host_pid(struct.unpack_from("<Q", told, 8 * i)[0], pid)
+            if not host_pid:
+                untold[i] = pid
+                continue
+            (entry,) = struct.unpack_from("<I", awaiting, 4 * i)
+            if 1 <= entry <= devices:
+                raw = uuids[(entry - 1) * UUID_BYTES : entry * UUID_BYTES]
+                card = raw.split(b"\0", 1)[0].decode("ascii", "replace")
+                if card:
+                    own = struct.unpack_from("<Q", data, i * SLOT.size + 8 + 8 * (entry - 1))[0]
+                    asked[i] = Asked(pid, host_pid, entry - 1, card, own)
+        return TellView(untold, asked)
+    except (OSError, OldFormat):
+        return None
+    finally:
+        os.close(fd)
+
+
+def tell(
+    path: Path,
+    told: Mapping[int, tuple[int, int]],
+    now_ns: int | None,
+    measured: Mapping[int, tuple[int, int, int]] | None = None,
+) -> int:
+    """Writes the node daemon's words: for each slot -> (its pid, its host pid)
+    the told word; for each slot -> (its pid, device entry, bytes) the measured
+    word (in MiB, rounded up); then its heartbeat `now_ns` (CLOCK_MONOTONIC;
+    None: none, so that the hooks soon find their own pids).
+    Each is one aligned 8-byte store, as the hooks read them. The number of
+    slots told; 0 (nothing written) when the file is not a usable
+    current-version budget file."""
+    opened = _open_regular(path, os.O_RDWR)
+    if opened is None:
+        return 0
+    fd, size = opened
+    try:
+        if not _check_format(path, fd, size):
+            return 0
+        for slot, (pid, host_pid) in told.items():
+            if 0 <= slot < MAX_SLOTS and 0 < pid <= 0xFFFFFFFF and 0 < host_pid <= 0xFFFFFFFF:
+                os.pwrite(fd, struct.pack("<Q", pid << 32 | host_pid), TOLD_AT + 8 * slot)
+        for slot, (pid, entry, used) in (measured or {}).items():
+            mib = min(-(-used // _MIB), 0xFFFFFF)
+            if 0 <= slot < MAX_SLOTS and 0 < pid <= 0xFFFFFFFF and 0 <= entry < MAX_DEVICES:
+                word = pid << 32 | (entry + 1) << 24 | max(mib, 0)
+                os.pwrite(fd, struct.pack("<Q", word), MEASURED_AT + 8 * slot)
+        if now_ns is not None:
+            os.pwrite(fd, struct.pack("<Q", now_ns), TELLER_AT)
+        return len(told)
+    except (OSError, OldFormat):
+        return 0
     finally:
         os.close(fd)

@@ -187,6 +187,29 @@ class NvmlBackend:
             per_pid.setdefault(int(sample.pid), []).append(int(sample.smUtil))
         return {pid: min(100.0, sum(v) / len(v)) for pid, v in per_pid.items()}
 
+    def process_memory(self, uuid: str) -> dict[int, int] | None:
+        """Bytes each compute process (host pid) uses on one card, from NVML's
+        running-process list; None when the card is unknown or cannot list them
+        (a process without a usedGpuMemory figure is left out)."""
+        handle = self._handles.get(CardUuid(uuid))
+        if handle is None:
+            wanted = uuid.lower()
+            handle = next((h for u, h in self._handles.items() if u.lower() == wanted), None)
+        if handle is None:
+            return None
+        lib = self.nvml.lib
+        try:
+            self.nvml.init()
+            procs = lib.nvmlDeviceGetComputeRunningProcesses(handle)
+        except lib.NVMLError:
+            return None
+        out = {}
+        for proc in procs:
+            used = getattr(proc, "usedGpuMemory", None)
+            if isinstance(used, int) and 0 <= used < 2**62:  # not NVML_VALUE_NOT_AVAILABLE
+                out[int(proc.pid)] = used
+        return out
+
     def watch(
         self, stop: threading.Event, on_cards: CardsCallback, on_event: EventCallback
     ) -> None:

@@ -30,6 +30,7 @@ from vgpu.adapters.kube_events import KubeEvents, NoEvents
 from vgpu.config import Settings
 from vgpu.core.arbiter import CARD_PERCENT, Settled, arbitrate_period, burst_cap
 from vgpu.core.model import CardUuid, Owner, Placement
+from vgpu.daemon.pidteller import HostPidTeller
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,10 @@ class Arbiter:
         containers: Callable[[], Sequence[Arbitrated]],
         period_s: float = PERIOD_S,
         on_period: Callable[[float, Mapping[str, ShareView]], None] | None = None,
+        teller: HostPidTeller | None = None,
     ) -> None:
         self._utilization = utilization
+        self._teller = teller
         self._containers = containers
         self.period_s = period_s
         self._on_period = on_period
@@ -115,6 +118,8 @@ class Arbiter:
         containers = [
             c for c in self._containers() if 0 < c.guarantee_percent < CARD_PERCENT and c.cards
         ]
+        if self._teller is not None:  # before the pids are read: the newly told count now
+            self._teller.tell([c.budget_file for c in containers])
         keys = {c.key for c in containers}
         for gone in set(self._state) - keys:
             del self._state[gone]
@@ -296,4 +301,10 @@ def build_node_arbiter(
     caps = CapSource(
         pods.annotations, settings.resource_domain, settings.default_core_limit_percent, events.warn
     )
-    return Arbiter(utilization, placed_containers(placements, budget_file, caps.placement_cap))
+    return Arbiter(
+        utilization,
+        placed_containers(placements, budget_file, caps.placement_cap),
+        teller=HostPidTeller.for_node(
+            settings.host_proc_dir, getattr(backend, "process_memory", None)
+        ),
+    )

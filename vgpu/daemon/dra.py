@@ -53,6 +53,7 @@ from vgpu.core.dra import device_name, driver_name
 from vgpu.core.errors import ConfigError, StateUnwritable
 from vgpu.daemon.arbiter import Arbiter, arbiter_utilization, placed_containers
 from vgpu.daemon.draservice import DraOptions, DraService
+from vgpu.daemon.pidteller import HostPidTeller
 from vgpu.daemon.wiring import (
     budget_watch,
     build_backend,
@@ -268,6 +269,9 @@ class DraDaemon:
                 self.service.placements,
                 lambda key: store.paths(key).budget_file,
                 self.service.core_cap,
+            ),
+            teller=HostPidTeller.for_node(
+                self.settings.host_proc_dir, getattr(self.backend, "process_memory", None)
             ),
         )
         self._spawn("arbiter", self.arbiter.run, self.stop)
