@@ -250,7 +250,11 @@ def test_a_flood_of_locks_is_read_rarely_and_stops_the_heartbeat(
     from vgpu.adapters import proclocks
 
     path = _file(tmp_path, {0: (7, 0)})  # untold, and nobody holds its byte: it stays so
-    monkeypatch.setattr(proclocks, "MAX_BYTES", 64)  # the real file is longer than that
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    flood = "".join(f"{i}: POSIX  ADVISORY  WRITE {1000 + i} 00:2e:{i} 0 0\n" for i in range(400))
+    (proc / "locks").write_text(flood)
+    monkeypatch.setattr(proclocks, "MAX_BYTES", 1024)  # the flood is ~18 KB
     now = [10**9]
     reads: list[int] = []
     real = proclocks.read_bounded
@@ -260,7 +264,7 @@ def test_a_flood_of_locks_is_read_rarely_and_stops_the_heartbeat(
         return real(root)
 
     monkeypatch.setattr(proclocks, "read_bounded", counting)
-    teller = HostPidTeller(Path("/proc"), clock_ns=lambda: now[0])
+    teller = HostPidTeller(proc, clock_ns=lambda: now[0])
     teller.tell([path])
     assert _beat(path) == 0
     for _ in range(10):  # a second of periods: no more reads
@@ -270,3 +274,8 @@ def test_a_flood_of_locks_is_read_rarely_and_stops_the_heartbeat(
     now[0] += 1_100_000_000
     teller.tell([path])
     assert len(reads) == 2
+    # the flood ends: the next read finds the file short again, and beats
+    (proc / "locks").write_text("")
+    now[0] += 2_000_000_000
+    teller.tell([path])
+    assert len(reads) == 3 and _beat(path) == now[0]
