@@ -16,7 +16,7 @@ import fcntl
 import os
 import stat
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -333,38 +333,58 @@ def throttle_waits(path: Path) -> int | None:
     return int(struct.unpack("<I", data)[0]) if len(data) == 4 else None
 
 
+@contextlib.contextmanager
+def _current_slots(
+    path: Path,
+) -> Iterator[tuple[int, tuple[int, ...], int, bytes, bytes] | None]:
+    """(fd, header, slots ever used, their bytes, their told words) of a
+    current-version file opened read-only, or None; OldFormat for another
+    version, OSError from reading."""
+    opened = _open_regular(path, os.O_RDONLY)
+    if opened is None:
+        yield None
+        return
+    fd, size = opened
+    try:
+        slots = _slots(fd) if _check_format(path, fd, size) else None
+        yield None if slots is None else (fd, *slots)
+    finally:
+        os.close(fd)
+
+
+def _slots(fd: int) -> tuple[tuple[int, ...], int, bytes, bytes] | None:
+    """The header, how many slots were ever used (slot_hwm), their bytes and
+    their told words; None where the file is short."""
+    head = os.pread(fd, HEADER.size, 0)
+    if len(head) != HEADER.size:
+        return None
+    header = HEADER.unpack_from(head, 0)
+    used_slots = min(header[4], MAX_SLOTS)  # only the slots ever used
+    data = os.pread(fd, used_slots * SLOT.size, SLOTS_AT)
+    told = os.pread(fd, 8 * used_slots, TOLD_AT)
+    if len(data) != used_slots * SLOT.size or len(told) != 8 * used_slots:
+        return None
+    return header, used_slots, data, told
+
+
 def live_host_pids(path: Path) -> frozenset[int] | None:
     """Host pids (as NVML reports them) of the container's live processes; None
     when the file is not a usable current-version budget file."""
-    opened = _open_regular(path, os.O_RDONLY)
-    if opened is None:
-        return None
-    fd, size = opened
     try:
-        if not _check_format(path, fd, size):
-            return None
-        head = os.pread(fd, HEADER.size, 0)
-        if len(head) != HEADER.size:
-            return None
-        used_slots = min(HEADER.unpack_from(head, 0)[4], MAX_SLOTS)  # slot_hwm
-        data = os.pread(fd, used_slots * SLOT.size, SLOTS_AT)  # only the slots ever used
-        if len(data) != used_slots * SLOT.size:
-            return None
-        told = os.pread(fd, 8 * used_slots, TOLD_AT)
-        if len(told) != 8 * used_slots:
-            return None
-        pids = set()
-        for i in range(used_slots):
-            pid, host_pid = struct.unpack_from("<iI", data, i * SLOT.size)
-            if pid and not host_pid:  # told, not adopted yet (its hook has no reason to ask)
-                host_pid = _told_host_pid(struct.unpack_from("<Q", told, 8 * i)[0], pid)
-            if pid and host_pid and _slot_alive(fd, i):
-                pids.add(host_pid)
-        return frozenset(pids)
+        with _current_slots(path) as slots:
+            if slots is None:
+                return None
+            fd, _, used_slots, data, told = slots
+            pids = set()
+            for i in range(used_slots):
+                pid, host_pid = struct.unpack_from("<iI", data, i * SLOT.size)
+                if pid and not host_pid:  # told, not adopted yet (its hook has no reason to ask)
+                    host_pid = _told_host_pid(struct.unpack_from("<Q", told, 8 * i)[0], pid)
+                if pid and host_pid and _slot_alive(fd, i):
+                    pids.add(host_pid)
+            return frozenset(pids)
     except (OSError, OldFormat):
         return None
-    finally:
-        os.close(fd)
 
 
 def _told_host_pid(word: int, pid: int) -> int:
@@ -395,50 +415,35 @@ class TellView:
 def tell_view(path: Path) -> TellView | None:
     """The slots to tell and to measure; None when the file is not a usable
     current-version budget file."""
-    opened = _open_regular(path, os.O_RDONLY)
-    if opened is None:
-        return None
-    fd, size = opened
     try:
-        if not _check_format(path, fd, size):
-            return None
-        head = os.pread(fd, HEADER.size, 0)
-        if len(head) != HEADER.size:
-            return None
-        used_slots = min(HEADER.unpack_from(head, 0)[4], MAX_SLOTS)
-        devices = min(HEADER.unpack_from(head, 0)[5], MAX_DEVICES)
-        data = os.pread(fd, used_slots * SLOT.size, SLOTS_AT)
-        told = os.pread(fd, 8 * used_slots, TOLD_AT)
-        awaiting = os.pread(fd, 4 * used_slots, AWAITING_AT)
-        uuids = os.pread(fd, UUID_BYTES * MAX_DEVICES, DEVICES_AT)
-        if (
-            len(data) != used_slots * SLOT.size
-            or len(told) != 8 * used_slots
-            or len(awaiting) != 4 * used_slots
-            or len(uuids) != UUID_BYTES * MAX_DEVICES
-        ):
-            return None
-        untold, asked = {}, {}
-        for i in range(used_slots):
-            pid, host_pid = struct.unpack_from("<iI", data, i * SLOT.size)
-            if pid <= 0:
-                continue
-            host_pid = host_pid or _told_host_pid(struct.unpack_from("<Q", told, 8 * i)[0], pid)
-            if not host_pid:
-                untold[i] = pid
-                continue
-            (entry,) = struct.unpack_from("<I", awaiting, 4 * i)
-            if 1 <= entry <= devices:
-                raw = uuids[(entry - 1) * UUID_BYTES : entry * UUID_BYTES]
-                card = raw.split(b"\0", 1)[0].decode("ascii", "replace")
-                if card:
-                    own = struct.unpack_from("<Q", data, i * SLOT.size + 8 + 8 * (entry - 1))[0]
-                    asked[i] = Asked(pid, host_pid, entry - 1, card, own)
-        return TellView(untold, asked)
+        with _current_slots(path) as slots:
+            if slots is None:
+                return None
+            fd, header, used_slots, data, told = slots
+            devices = min(header[5], MAX_DEVICES)
+            awaiting = os.pread(fd, 4 * used_slots, AWAITING_AT)
+            uuids = os.pread(fd, UUID_BYTES * MAX_DEVICES, DEVICES_AT)
+            if len(awaiting) != 4 * used_slots or len(uuids) != UUID_BYTES * MAX_DEVICES:
+                return None
+            untold, asked = {}, {}
+            for i in range(used_slots):
+                pid, host_pid = struct.unpack_from("<iI", data, i * SLOT.size)
+                if pid <= 0:
+                    continue
+                host_pid = host_pid or _told_host_pid(struct.unpack_from("<Q", told, 8 * i)[0], pid)
+                if not host_pid:
+                    untold[i] = pid
+                    continue
+                (entry,) = struct.unpack_from("<I", awaiting, 4 * i)
+                if 1 <= entry <= devices:
+                    raw = uuids[(entry - 1) * UUID_BYTES : entry * UUID_BYTES]
+                    card = raw.split(b"\0", 1)[0].decode("ascii", "replace")
+                    if card:
+                        own = struct.unpack_from("<Q", data, i * SLOT.size + 8 + 8 * (entry - 1))[0]
+                        asked[i] = Asked(pid, host_pid, entry - 1, card, own)
+            return TellView(untold, asked)
     except (OSError, OldFormat):
         return None
-    finally:
-        os.close(fd)
 
 
 def tell(
