@@ -298,6 +298,7 @@ struct awaiting {
 };
 static struct awaiting awaiting[MAX_ORDINALS];
 static int have_awaiting; /* contexts waiting */
+static int asking = -1;   /* the ordinal whose overhead the daemon is asked for */
 
 static struct candidates pending; /* under pending_lock */
 static int have_pending;
@@ -310,6 +311,7 @@ static void forget_candidates(void)
     have_pending = 0;
     memset(awaiting, 0, sizeof(awaiting));
     have_awaiting = 0;
+    asking = -1;
 }
 
 /* Each candidate's used memory now (GONE where not listed); -1 without a list. */
@@ -470,7 +472,6 @@ static void log_untold(int count, int why)
                                    : "the container's NVML process list leaves it out");
 }
 
-
 /* The context's own usedGpuMemory on `ordinal` now (NVML_VALUE_NOT_AVAILABLE
  * if not listed): one list, made once the host pid is known. */
 static unsigned long long own_memory(int ordinal, unsigned host)
@@ -508,7 +509,7 @@ static void correct_overhead(const struct awaiting *a, unsigned long long mem)
  * time asks.  Compute controller thread, once per period. */
 static void settle_awaiting(void)
 {
-    static int logged, asking = -1;
+    static int logged;
     if (!__atomic_load_n(&have_awaiting, __ATOMIC_ACQUIRE))
         return;
     unsigned host = vgpu_budget_host_pid();
