@@ -99,6 +99,8 @@ def _arbiter_main(work: Path, containers: int, teller: bool = True) -> None:
         args=(stop,),
         daemon=True,
     )
+    if tells is not None:  # a heartbeat before the storm, as on a node that runs already
+        tells.tell([a.budget_file for a in arbitrated])
     thread.start()
     cpu0 = time.process_time()
     print("ready", flush=True)

@@ -116,6 +116,9 @@ def test_in_a_real_pid_namespace_the_outer_pid_is_told(tmp_path: Path) -> None:
     # The real kernel translates: no stand-in offset. The tenant's NVML is the
     # stand-in's, which names it by its inner pid, so only the told pid is checked.
     teller = HostPidTeller(Path("/proc"))
+    # Beating before the process starts: else it could reach its context first
+    # and find its pid itself (the stand-in NVML names it by its inner pid, 1).
+    teller.tell([path])
     env = {**harness._env(tmp_path, 0, True), "VGPU_LOG_LEVEL": "trace"}
     env.pop("FAKE_PIDNS_OFFSET")
     proc = subprocess.Popen(
