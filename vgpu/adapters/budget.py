@@ -107,15 +107,18 @@ def ensure(path: Path) -> str | None:
     return None
 
 
-def _is_older(fd: int, size: int) -> bool:
-    """An older release's file, at the size its hooks map."""
+def _older_version(fd: int, size: int) -> int | None:
+    """The format version of an older release's file at the size its hooks map,
+    or None."""
     head = os.pread(fd, 8, 0) if size in V1_SIZES or size == OLD_FIXED_BYTES else b""
     if len(head) != 8:
-        return False
+        return None
     magic, version = struct.unpack("<II", head)
+    if magic != MAGIC:
+        return None
     if size in V1_SIZES:
-        return (magic, version) == (MAGIC, 1)
-    return magic == MAGIC and version in OLD_FIXED_VERSIONS
+        return version if version == 1 else None
+    return version if version in OLD_FIXED_VERSIONS else None
 
 
 def _create(path: Path) -> None:
@@ -155,7 +158,7 @@ def cut_back(path: Path) -> str | None:
         return None
     fd, size = opened
     try:
-        if size == FILE_BYTES or _is_older(fd, size):
+        if size == FILE_BYTES or _older_version(fd, size) is not None:
             return None
         if size > FILE_BYTES:
             os.ftruncate(fd, FILE_BYTES)
@@ -226,8 +229,9 @@ def _check_format(path: Path, fd: int, size: int) -> bool:
     """True for a current-version file (or a pre-created zero one), OldFormat for another
     version, False for anything else (wrong size, garbage)."""
     if size != FILE_BYTES:
-        if _is_older(fd, size):
-            raise OldFormat(path, struct.unpack("<II", os.pread(fd, 8, 0))[1])
+        older = _older_version(fd, size)
+        if older is not None:
+            raise OldFormat(path, older)
         return False
     head = os.pread(fd, 8, 0)
     if len(head) != 8:

@@ -59,7 +59,6 @@ class HostPidTeller:
         self._translate = translate
         self._memory = memory
         self._clock_ns = clock_ns
-        self.told_total = 0
         self._failed = False
         self._truncated = False
         self._next_ns = 0  # no /proc/locks read before (a flood's back-off)
@@ -142,7 +141,6 @@ class HostPidTeller:
             beat = None if self._truncated else now_ns
             told += budget.tell(path, words, beat, measured)
         self._seen = seen
-        self.told_total += told
         return told
 
     def _host(self, path: Path, pid: int) -> int:
