@@ -356,8 +356,11 @@ static struct vgpu_shared *budget(void)
         static int logged;
         vgpu_init();
         const char *dir = vgpu_cfg.shared_dir; /* fixed mount, else $VGPU_SHARED_DIR (config.c) */
-        if (!dir)
-            vgpu_log(&logged, "VGPU_SHARED_DIR is not set; the memory limit applies per process");
+        if (!dir) /* no container-wide budget: each process is held to the limits alone */
+            vgpu_log(&logged, "VGPU_SHARED_DIR is not set; the %s per process",
+                     vgpu_cfg.memory_limit == VGPU_NO_LIMIT ? "compute limit applies"
+                     : vgpu_cfg.core_percent ? "memory and compute limits apply"
+                                             : "memory limit applies");
         long long t0 = vgpu_trace_on ? vgpu_now_ns() : 0;
         s = dir ? map_shared(dir) : NULL;
         VGPU_TRACE("profile: budget attach %lld us", (vgpu_now_ns() - t0) / 1000);

@@ -140,6 +140,20 @@ static int nvml_devices(void)
     return nvml.device_count ? 0 : -1;
 }
 
+/* NVML's devices, loaded on the controller thread the first time this process
+ * must query NVML itself: as the container's poller, or when the poller's
+ * publication is stale.  The other processes of a container never load NVML
+ * for the throttle (in a start-up storm, hundreds of library loads and
+ * nvmlInit calls that would only follow the poller's figures).  0 when
+ * usable; -1 (once and for good) when not, which has been said. */
+static int nvml_ready(void)
+{
+    static int ready; /* controller thread only: 0 not tried, 1 usable, -1 not */
+    if (!ready)
+        ready = nvml.device_count || nvml_devices() == 0 ? 1 : -1;
+    return ready > 0 ? 0 : -1;
+}
+
 static struct {
     uint64_t seq;
     long long seen_at;
@@ -246,11 +260,14 @@ static int device_util(unsigned int d, const struct vgpu_pid *pids, int npids, u
     return 0;
 }
 
-/* The busiest device's figures; -1 without new samples, -2 if unsupported everywhere.
+/* The busiest device's figures; -1 without new samples, -2 if unsupported everywhere,
+ * -3 without NVML.
  * `publish`: this process is the container's poller and writes what it saw. */
 static int container_util(struct util *u, int publish)
 {
     static struct vgpu_pid pids[VGPU_MAX_SLOTS]; /* controller thread only */
+    if (nvml_ready() != 0)
+        return -3;
     int npids = vgpu_budget_peek_pids(pids, VGPU_MAX_SLOTS);
     qsort(pids, (size_t)npids, sizeof(pids[0]), by_host_pid);
     unsigned self = vgpu_budget_host_pid();
@@ -378,10 +395,14 @@ static void *controller(void *arg)
 {
     static int logged;
     (void)arg;
-    double limit = current_limit(), gain = 1;
+    double limit = 0, gain = 1;
     unsigned long long seen = __atomic_load_n(&kernel_launches, __ATOMIC_RELAXED), waits_seen = 0;
     long long since = vgpu_now_ns();
     int unsupported = 0;
+    if (!vgpu_cfg.shared_dir && nvml_ready() != 0) { /* it would poll for itself: no NVML, no limit */
+        __atomic_store_n(&state, OFF, __ATOMIC_RELEASE);
+        return NULL;
+    }
     /* A window of WINDOW control periods: utilisation averaged over it
      * steers the gain and the kernel cost estimate. */
     struct window {
@@ -404,6 +425,11 @@ static void *controller(void *arg)
         vgpu_device_retry_host_pid();
         struct util u;
         int rc = sampled_util(&u);
+        if (rc == -3) { /* no NVML in this process either: said by nvml_devices */
+            __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
+            __atomic_store_n(&state, OFF, __ATOMIC_RELEASE);
+            return NULL;
+        }
         unsupported = rc == -2 ? unsupported + 1 : 0;
         if (unsupported >= 3) {
             vgpu_log(&logged, "NVML has no per-process utilisation for this device (MIG or "
@@ -505,7 +531,7 @@ static void start(void)
     pthread_mutex_lock(&start_lock);
     if (__atomic_load_n(&state, __ATOMIC_ACQUIRE) == OFF_UNKNOWN) {
         int next = OFF;
-        if (nvml.device_count || nvml_devices() == 0) {
+        { /* NVML is loaded by the thread, when it must poll (nvml_ready) */
             sigset_t all, old;
             pthread_t thread;
             pthread_attr_t attr;

@@ -144,3 +144,41 @@ def test_in_a_real_pid_namespace_the_outer_pid_is_told(tmp_path: Path) -> None:
     assert proc.returncode == 0, err[-2000:]
     assert re.search(r"budget: pid 1 took slot", err), err  # pid 1 inside
     assert outer > 1 and told == [outer], (told, outer, err[-1500:])
+
+
+def _maps_nvml(pid: int) -> bool:
+    return "libnvidia-ml.so" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_only_the_containers_poller_loads_nvml_while_the_teller_beats(tmp_path: Path) -> None:
+    """Told processes of one container: none lists at its context, and only the
+    one that polls NVML for the container loads the library. The others follow
+    its publication, so a start-up storm makes one NVML load, not hundreds."""
+    _container(tmp_path)
+    arbiter = harness._start_arbiter(tmp_path, 1, teller=True)
+    env = {**harness._env(tmp_path, 0, True), "VGPU_LOG_LEVEL": "trace"}
+    procs = [
+        subprocess.Popen(
+            [str(harness.TENANT), "storm", "1", "2.5"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    try:
+        time.sleep(1.5)  # many control periods, and the poller's publications
+        loaded = [_maps_nvml(p.pid) for p in procs]
+        traces = [p.communicate(timeout=30)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        harness._stop_arbiter(arbiter)
+    assert all(p.returncode == 0 for p in procs), traces
+    polls = [t for t in traces if "this process polls NVML for the container" in t]
+    assert len(polls) == 1 and loaded.count(True) == 1, (loaded, [t[-800:] for t in traces])
+    assert loaded[traces.index(polls[0])]  # the poller is the one with the library
+    assert all(_lists(t) == 0 for t in traces)
