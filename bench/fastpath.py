@@ -436,6 +436,10 @@ def extender(
             "http://127.0.0.1:1",
             scheduler_name="default-scheduler",
             managed_resources=("unused.io/none",),
+            # NodeResourcesFit checks the pods' vcuda resources, as a
+            # default profile does (vgpu's profile keeps them checked too:
+            # ignoredByScheduler is false).
+            fit_resources=(CORE, MEM),
             binder=False,
             bind_workers=16,
         )

@@ -151,3 +151,42 @@ def test_one_node_left_by_the_extender_skips_prioritize(recorder: str) -> None:
     two = _schedule(_cluster(5, 0), recorder, 1)
     assert _Recorder.verbs == ["filter", "prioritize"]
     assert (two.stats.filter_calls, two.stats.prioritize_calls) == (1, 1)
+
+
+def test_a_default_profile_checks_the_fit_resources_without_calling_an_extender(
+    recorder: str,
+) -> None:
+    # The bench's baseline: pods ask RES, no extender manages it, and
+    # NodeResourcesFit still checks it (kube-scheduler checks every extended
+    # resource unless an extender sets ignoredByScheduler). Two nodes hold 4 each.
+    api = _cluster(3, 1)
+    scheduler = SchedulerStandIn(
+        api,
+        recorder,
+        scheduler_name="default-scheduler",
+        managed_resources=("unused.io/none",),
+        fit_resources=(RES,),
+        binder=False,
+    )
+    api.start()
+    scheduler.start()
+    try:
+        for i in range(9):
+            api.add_pod(
+                make_pod(
+                    f"p{i}",
+                    node=None,
+                    containers=[{"resources": {"limits": {RES: "1"}}}],
+                    scheduler_name="default-scheduler",
+                )
+            )
+        assert wait_until(lambda: scheduler.stats.bound == 8 and scheduler.stats.unschedulable, 20)
+        on = [(p["spec"] or {}).get("nodeName") for p in api.pods()]
+    finally:
+        scheduler.stop()
+        api.stop()
+    assert sorted(n for n in on if n) == ["node-0001"] * 4 + ["node-0002"] * 4
+    assert _Recorder.verbs == []  # no extender call
+    pending = [p for p in api.pods() if not (p["spec"] or {}).get("nodeName")]
+    (condition,) = pending[0]["status"]["conditions"]
+    assert "0/3 nodes are available: 3 Insufficient example.com/thing." in condition["message"]

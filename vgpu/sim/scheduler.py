@@ -25,8 +25,12 @@ Wire facts it follows (kube-scheduler's pkg/scheduler/extender.go):
   pod back to the queue with backoff. Other pods are bound by the scheduler
   itself through pods/binding.
 
-The built-in filter is reduced to what matters here: NodeResourcesFit on the
-managed resources (node allocatable minus what bound and assumed pods ask).
+The built-in filter is reduced to what matters here: NodeResourcesFit (node
+allocatable minus what bound and assumed pods ask) on ``fit_resources``, by
+default the managed resources. kube-scheduler checks every extended resource
+a pod asks unless an extender sets ``ignoredByScheduler: true`` for it, which
+vgpu's profile does not: a default profile scheduling the same pods checks
+the same resources (``fit_resources`` without an extender).
 As kube-scheduler's findNodesThatPassFilters, it stops once it has found
 ``num_feasible_nodes_to_find`` feasible nodes, starting each cycle where the
 last one stopped, and the extender sees only those nodes.
@@ -146,6 +150,7 @@ class SchedulerStandIn:
         *,
         scheduler_name: str = "vgpu-scheduler",
         managed_resources: Sequence[str] = (),
+        fit_resources: Sequence[str] | None = None,
         node_cache_capable: bool = True,
         weight: int = 1,
         http_timeout_s: float = 5.0,
@@ -160,6 +165,8 @@ class SchedulerStandIn:
         self.extender_url = extender_url.rstrip("/")
         self.scheduler_name = scheduler_name
         self.managed = frozenset(managed_resources)
+        # What NodeResourcesFit checks against node allocatable.
+        self.fit = self.managed if fit_resources is None else frozenset(fit_resources)
         self.node_cache_capable = node_cache_capable
         self.weight = weight
         self.http_timeout_s = http_timeout_s
@@ -263,7 +270,7 @@ class SchedulerStandIn:
         return False
 
     def _requests(self, pod: dict[str, Any]) -> dict[str, int]:
-        """Effective request per managed resource: max(largest init, sum of apps),
+        """Effective request per resource NodeResourcesFit checks: max(largest init, sum of apps),
         worked out once per pod (a pod's resources never change; its UID names
         it for its life), as kube-scheduler keeps it in its cache."""
         uid = pod["metadata"].get("uid", "")
@@ -282,7 +289,7 @@ class SchedulerStandIn:
         def asked(c: dict[str, Any]) -> dict[str, int]:
             resources = c.get("resources") or {}
             merged = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
-            return {r: _quantity(merged[r]) for r in self.managed if r in merged}
+            return {r: _quantity(merged[r]) for r in self.fit if r in merged}
 
         out: dict[str, int] = {}
         for c in spec.get("containers") or []:
