@@ -18,6 +18,7 @@ static void after_fork_child(void)
     vgpu_budget_after_fork();
     vgpu_device_after_fork();
     vgpu_memory_after_fork();
+    vgpu_nvml_after_fork();
     vgpu_throttle_after_fork();
 }
 

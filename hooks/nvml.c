@@ -55,6 +55,13 @@ int vgpu_nvml_load(void)
     return state > 0 ? 0 : -1;
 }
 
+void vgpu_nvml_after_fork(void)
+{
+    /* The thread that held it is gone; a load it left unfinished (state 0)
+     * is made again by whoever needs NVML next. */
+    pthread_mutex_init(&nvml_lock, NULL);
+}
+
 long long vgpu_nvml_lists, vgpu_nvml_list_ns;
 
 int vgpu_nvml_processes(nvmlDevice_t dev, nvmlProcessInfo_v2_t *out, int max)

@@ -180,6 +180,9 @@ struct vgpu_nvml_api {
 extern struct vgpu_nvml_api vgpu_nvml;
 /* Loads and initialises NVML for the hook's own use, once; 0 if usable. */
 int vgpu_nvml_load(void);
+/* In a forked child: the load's lock is free again (a controller thread of
+ * the parent may have held it while loading NVML when the fork came). */
+void vgpu_nvml_after_fork(void);
 /* The compute processes NVML lists on the device (host pids). */
 int vgpu_nvml_processes(nvmlDevice_t dev, nvmlProcessInfo_v2_t *out, int max);
 /* Under trace: process lists taken and the time they took (start-up profile). */
