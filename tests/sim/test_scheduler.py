@@ -99,6 +99,18 @@ def _cluster(nodes: int, full: int) -> FakeApiServer:
     return api
 
 
+def _add_pod(api: FakeApiServer, name: str, scheduler_name: str = "vgpu-scheduler") -> None:
+    """A pending pod asking one RES."""
+    api.add_pod(
+        make_pod(
+            name,
+            node=None,
+            containers=[{"resources": {"limits": {RES: "1"}}}],
+            scheduler_name=scheduler_name,
+        )
+    )
+
+
 def _schedule(api: FakeApiServer, url: str, pods: int) -> SchedulerStandIn:
     """Schedule `pods` pods one after another (each asking one RES); binds itself."""
     scheduler = SchedulerStandIn(api, url, managed_resources=(RES,), binder=False)
@@ -106,14 +118,7 @@ def _schedule(api: FakeApiServer, url: str, pods: int) -> SchedulerStandIn:
     scheduler.start()
     try:
         for i in range(pods):
-            api.add_pod(
-                make_pod(
-                    f"p{i}",
-                    node=None,
-                    containers=[{"resources": {"limits": {RES: "1"}}}],
-                    scheduler_name="vgpu-scheduler",
-                )
-            )
+            _add_pod(api, f"p{i}")
             assert wait_until(lambda i=i: scheduler.stats.bound == i + 1, 20)
     finally:
         scheduler.stop()
@@ -172,14 +177,7 @@ def test_a_default_profile_checks_the_fit_resources_without_calling_an_extender(
     scheduler.start()
     try:
         for i in range(9):
-            api.add_pod(
-                make_pod(
-                    f"p{i}",
-                    node=None,
-                    containers=[{"resources": {"limits": {RES: "1"}}}],
-                    scheduler_name="default-scheduler",
-                )
-            )
+            _add_pod(api, f"p{i}", "default-scheduler")
         assert wait_until(lambda: scheduler.stats.bound == 8 and scheduler.stats.unschedulable, 20)
         on = [(p["spec"] or {}).get("nodeName") for p in api.pods()]
     finally:
