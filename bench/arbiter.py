@@ -161,6 +161,10 @@ class RealGpu:
 
 
 REAL: RealGpu | None = None  # set by main(--real)
+# The arbiter tells the hooks their host pids from /proc/locks, as the node
+# daemon does where the host's /proc is mounted (the chart mounts it); off with
+# --no-teller (each hook then finds its pid from NVML's process lists).
+TELLER = True
 
 
 def _nvml_backend() -> Any:
@@ -207,6 +211,7 @@ def run_scenario(
     scenario: Scenario, backend: Any, card: CardUuid, work: Path, kernel_us: int, daemon: bool
 ) -> Json:
     from vgpu.daemon.arbiter import Arbiter, Arbitrated, ShareView
+    from vgpu.daemon.pidteller import HostPidTeller
 
     arbitrated = []
     for spec in scenario.tenants:
@@ -237,7 +242,22 @@ def run_scenario(
             samples.append((time.monotonic() - t0, per, {}, sum(util.values())))
         return util
 
-    arbiter = Arbiter(utilization, lambda: arbitrated if daemon else [], on_period=on_period)
+    teller = None
+    if TELLER and daemon:
+        # The stand-in's PID namespaces are an offset per tenant (_tenant_env);
+        # a real card's tenants run on the host, where the pid is the host pid.
+        offsets = {spec.name: 100000 * (i + 1) for i, spec in enumerate(scenario.tenants)}
+
+        def stand_in_host_pid(path: Path, pid: int) -> int:
+            return pid + offsets[path.parent.name]
+
+        teller = HostPidTeller(
+            Path("/proc"), None if REAL else stand_in_host_pid, memory=backend.process_memory
+        )
+        teller.tell([a.budget_file for a in arbitrated])  # a heartbeat before any tenant
+    arbiter = Arbiter(
+        utilization, lambda: arbitrated if daemon else [], on_period=on_period, teller=teller
+    )
 
     stop = threading.Event()
     procs: list[subprocess.Popen[str]] = []
@@ -483,6 +503,7 @@ def run(quick: bool = False) -> Json:
     tolerance = 2.0 if quick else 1.0
     return {
         "available": True,
+        "teller": TELLER,
         "kernel_us": kernel_us,
         "segment_s": seg_s,
         "period_s": 0.1,
@@ -523,9 +544,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--tenant-command", default="", help="--real: the tenant, e.g. 'python3 check.py'"
     )
     parser.add_argument("--library", type=Path, default=BUILD / "libvgpu.so")
+    parser.add_argument(
+        "--no-teller",
+        action="store_true",
+        help="hooks find their host pids themselves (a node without the host's /proc mounted)",
+    )
     args = parser.parse_args(argv)
+    global REAL, TELLER
+    TELLER = not args.no_teller
     if args.real:
-        global REAL
         REAL = RealGpu(tuple(shlex.split(args.tenant_command)), args.library)
     result = run(args.quick)
     text = json.dumps(result, indent=1)

@@ -555,6 +555,11 @@ int vgpu_device_host_pid_pending(void)
            __atomic_load_n(&have_awaiting, __ATOMIC_ACQUIRE);
 }
 
+int vgpu_device_host_pid_awaiting(void)
+{
+    return __atomic_load_n(&have_awaiting, __ATOMIC_ACQUIRE);
+}
+
 /* Later tries, from the compute controller thread: once per period. */
 void vgpu_device_retry_host_pid(void)
 {

@@ -21,7 +21,8 @@
  *    corrects what the estimates miss (other processes of the container,
  *    overlap), the limit being the mean allowed share over those 200 ms; a
  *    new cost estimate rescales the gain with it (same launches per second),
- *    so that an error is corrected once, by the step, not twice.
+ *    so that an error is corrected once, by the step, not twice; a window in
+ *    which the arbiter moved the limit leaves the gain as it was.
  * Until the container's utilisation first exceeds the limit the bucket is not
  * engaged (launches pay one atomic increment); it disengages again when the
  * program uses far less than the bucket allows.  Without NVML, or without
@@ -250,6 +251,13 @@ static int device_util(unsigned int d, const struct vgpu_pid *pids, int npids, u
     if (self)
         out->self = util_of(d, self);
     if (!known) {
+        /* The node daemon tells this container's first host pid within its
+         * next period: until then, no sample.  The whole card's utilisation
+         * would engage the throttle on the neighbours' work, and charge each
+         * of this process's kernels with theirs (a newcomer held to a
+         * fraction of its share for as long as the gain took to recover). */
+        if (vgpu_device_host_pid_awaiting())
+            return -1;
         if (!vgpu_device_host_pid_pending()) /* else said once that is settled */
             vgpu_log(&logged, "no host pid of this container is known (no context seen); "
                      "throttling on the whole card's utilisation");
@@ -407,6 +415,7 @@ static void *controller(void *arg)
      * steers the gain and the kernel cost estimate. */
     struct window {
         double util_ns, self_ns, limit_ns; /* utilisation (and the limit in force) x time */
+        double limit_lo, limit_hi;         /* the limit's range over the window */
         long long dt, graphs_ns;
         unsigned long long launches;
         int periods;
@@ -448,6 +457,10 @@ static void *controller(void *arg)
         w.util_ns += u.container * (double)dt;
         w.self_ns += u.self * (double)dt;
         w.limit_ns += limit * (double)dt;
+        if (!w.dt || limit < w.limit_lo)
+            w.limit_lo = limit;
+        if (!w.dt || limit > w.limit_hi)
+            w.limit_hi = limit;
         w.dt += dt;
         int is_engaged = __atomic_load_n(&engaged, __ATOMIC_RELAXED);
         if (limit >= 99.5) { /* the arbiter lets it have the card: nothing to hold back */
@@ -506,8 +519,14 @@ static void *controller(void *arg)
             unsigned long long waits = __atomic_load_n(&bucket_waits, __ATOMIC_RELAXED);
             /* Raise the gain only when the bucket held launches back: below
              * the limit for another reason (neighbours on the card, the
-             * program itself) a raise would wind up and overshoot later. */
-            if (step < 1 || waits != waits_seen)
+             * program itself) a raise would wind up and overshoot later.
+             * Keep it over a window in which the arbiter moved the limit (a
+             * neighbour came, left or burst): its utilisation measured the
+             * card's re-division, not this throttle's error, and a tenant cut
+             * from 60 % to 30 % while a newcomer's kernels crowded it would
+             * otherwise raise its gain and hold on to 40 % for a window. */
+            double moved = w.limit_hi - w.limit_lo, tolerance = w.limit_hi / 10;
+            if (moved <= (tolerance > 2 ? tolerance : 2) && (step < 1 || waits != waits_seen))
                 gain = clamp(gain * step, 0.02, 50);
             if (gain != gain_was)
                 set_rate(limit, gain);

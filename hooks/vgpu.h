@@ -165,6 +165,9 @@ void vgpu_device_after_fork(void);
  * them is this one is still to be told; the compute controller's periodic
  * retry of that (cheap when nothing is pending). */
 int vgpu_device_host_pid_pending(void);
+/* Whether a context made while the node daemon tells host pids still waits
+ * for its own (told within one arbiter period of the process's start). */
+int vgpu_device_host_pid_awaiting(void);
 void vgpu_device_retry_host_pid(void);
 
 /* ---- nvml.c ---- */

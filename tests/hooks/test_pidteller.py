@@ -15,6 +15,7 @@ import re
 import shutil
 import struct
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -182,3 +183,42 @@ def test_only_the_containers_poller_loads_nvml_while_the_teller_beats(tmp_path: 
     assert len(polls) == 1 and loaded.count(True) == 1, (loaded, [t[-800:] for t in traces])
     assert loaded[traces.index(polls[0])]  # the poller is the one with the library
     assert all(_lists(t) == 0 for t in traces)
+
+
+@pytest.mark.timeout(60)
+def test_awaiting_its_told_pid_a_process_is_not_throttled_on_its_neighbours_work(
+    tmp_path: Path,
+) -> None:
+    """The daemon beats but has not told the pid yet: the controller takes no
+    sample. Counting the whole card's utilisation (a neighbour's work too) as
+    the container's would engage the throttle at once and charge each of its
+    kernels with the neighbour's: a newcomer held far below its guarantee."""
+    from tests.hooks.test_enforcement import last_json, run_probe, tenant_env
+    from tests.hooks.test_hooks import base_env
+
+    path = _container(tmp_path)
+    gpu = tmp_path / "gpu"
+    stop = threading.Event()
+
+    def beat() -> None:  # a heartbeat that never tells (as before the next period)
+        while not stop.is_set():
+            budget.tell(path, {}, time.monotonic_ns())
+            stop.wait(0.05)
+
+    beat_thread = threading.Thread(target=beat, daemon=True)
+    budget.tell(path, {}, time.monotonic_ns())
+    beat_thread.start()
+    neighbour_env = {**base_env(nvml=True, preload=False), "FAKE_GPU_STATE": str(gpu)}
+    neighbour = run_probe({**neighbour_env, "FAKE_CUDA_LAUNCH_US": "200"}, "ctx", 0, "launch", 2)
+    try:
+        env = tenant_env(path.parent, gpu, offset=100000, VGPU_CORE_LIMIT=50)
+        tenant = run_probe({**env, "FAKE_CUDA_LAUNCH_US": "200"}, "ctx", 0, "launch", 1.2)
+        share = float(last_json(tenant)["share"])  # type: ignore[arg-type]
+    finally:
+        stop.set()
+        beat_thread.join(5)
+        neighbour.communicate(timeout=60)
+    print(f"GPU share beside a greedy neighbour, limit 50%, pid not told yet: {share:.3f}")
+    # Half the card by the card's own turn-taking; throttled on the whole card
+    # (the neighbour's work counted) it fell to 0.06.
+    assert share >= 0.38, share
