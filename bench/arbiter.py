@@ -184,6 +184,11 @@ def _tenant_command(phases: str) -> list[str]:
     return [*(REAL.tenant_command if REAL else (str(TENANT),)), "load", phases]
 
 
+def _pidns_offset(index: int) -> int:
+    """Tenant `index`'s stand-in PID namespace: NVML reports its pids + this."""
+    return 100000 * (index + 1)
+
+
 def _tenant_env(work: Path, spec: TenantSpec, index: int, kernel_us: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VGPU_", "FAKE_", "LD_"))}
     if REAL is not None:
@@ -202,7 +207,7 @@ def _tenant_env(work: Path, spec: TenantSpec, index: int, kernel_us: int) -> dic
         VGPU_CORE_LIMIT=str(spec.guarantee),
         FAKE_GPU_STATE=os.environ["FAKE_GPU_STATE"],
         FAKE_CUDA_LAUNCH_US=str(kernel_us),
-        FAKE_PIDNS_OFFSET=str(100000 * (index + 1)),
+        FAKE_PIDNS_OFFSET=str(_pidns_offset(index)),
     )
     return env
 
@@ -246,7 +251,7 @@ def run_scenario(
     if TELLER and daemon:
         # The stand-in's PID namespaces are an offset per tenant (_tenant_env);
         # a real card's tenants run on the host, where the pid is the host pid.
-        offsets = {spec.name: 100000 * (i + 1) for i, spec in enumerate(scenario.tenants)}
+        offsets = {spec.name: _pidns_offset(i) for i, spec in enumerate(scenario.tenants)}
 
         def stand_in_host_pid(path: Path, pid: int) -> int:
             return pid + offsets[path.parent.name]
