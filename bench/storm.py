@@ -13,6 +13,11 @@ Measured, each against the same storm without the hook (no LD_PRELOAD):
   added time per process = (wall with hook - wall without) / N;
 - each process's start-up (main to first launch done); the hook's p99 is that
   p99 minus the p99 without the hook;
+- the CPU each process had used when ready (exec, loader, hook, driver, every
+  thread): the hook's own start-up cost, apart from the box. On two cores the
+  wall is mostly the harness's spawning, which waits in the run queue behind
+  the processes already started, so a small cost per process shows up
+  several times over in the wall;
 - with kills: KILL_FRACTION of the processes get SIGKILL 0-40 ms after their
   spawn (mid-start-up, possibly holding the budget lock or a slot); every
   survivor must still be ready within DEADLINE_S (nobody waits on a dead
@@ -215,6 +220,7 @@ def storm(
         kill_at = {i: spawned_at[i] + rng.uniform(0, 0.04) for i in victims}
         ready: dict[int, float] = {}
         init_ms: dict[int, float] = {}
+        cpu_ms: dict[int, float] = {}
         buffers: dict[int, bytes] = {}
         killed: set[int] = set()
         deadline = t0 + DEADLINE_S
@@ -241,6 +247,7 @@ def storm(
                     if msg.get("op") == "ready" and i not in ready:
                         ready[i] = time.monotonic()
                         init_ms[i] = msg["init_ns"] / 1e6
+                        cpu_ms[i] = msg["cpu_ns"] / 1e6
                 buffers[i] = buffers[i].rsplit(b"\n", 1)[-1]
         wall_s = (max(ready.values()) - t0) if ready else float("nan")
         stuck = [i for i in range(n) if i not in ready and i not in killed]
@@ -296,6 +303,8 @@ def storm(
             "wall_s": round(wall_s, 3),
             "init_ms_p50": round(percentile(values, 50), 2) if values else None,
             "init_ms_p99": round(percentile(values, 99), 2) if values else None,
+            # CPU each process had used when ready (exec, loader, hook, driver), every thread
+            "ready_cpu_ms_p50": round(percentile(list(cpu_ms.values()), 50), 3) if values else None,
             "identified": {"right": right, "wrong": wrong, "unknown": unknown} if hooked else None,
             "arbiter_cpu_s": arbiter_cpu_s,
             "teller": hooked and arbiter and teller,
@@ -338,6 +347,7 @@ def run(processes: int = 300, quick: bool = False, rounds: int = 1, teller: bool
                 ],
                 "added_ms": round(added_ms[median], 3),
                 "p99_added_ms": p99_ms[median],
+                "ready_cpu_added_ms": round(hook["ready_cpu_ms_p50"] - base["ready_cpu_ms_p50"], 3),
             }
         )
     added = max(r["added_ms"] for r in rows)

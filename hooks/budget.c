@@ -617,9 +617,11 @@ int vgpu_budget_peek_pids(struct vgpu_pid *out, int max)
         int32_t pid = __atomic_load_n(&s->slots[i].pid, __ATOMIC_RELAXED);
         if (pid == 0)
             continue;
-        out[n].pid = pid;
-        out[n].host_pid = __atomic_load_n(&s->slots[i].host_pid, __ATOMIC_RELAXED);
-        out[n].slot = (int)i;
+        if (out) { /* NULL: only counted */
+            out[n].pid = pid;
+            out[n].host_pid = __atomic_load_n(&s->slots[i].host_pid, __ATOMIC_RELAXED);
+            out[n].slot = (int)i;
+        }
         n++;
     }
     return n;

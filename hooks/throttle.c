@@ -4,7 +4,8 @@
  * Tokens are nanoseconds of GPU time, earned at `limit x gain` of real time.
  * The bucket is refilled lazily: a launch that finds it empty credits the time
  * elapsed since the last refill and, if that is not enough, sleeps for as long
- * as the debt takes to earn back; nothing wakes periodically to refill (in a
+ * as the debt takes to earn back (woken sooner when the rate rises or the
+ * bucket disengages); nothing wakes periodically to refill (in a
  * container of hundreds of processes, hundreds of threads ticking every few
  * milliseconds would slow everyone's start-up).  A background thread, every
  * control period (50 ms), reads SM utilisation from NVML for the container's
@@ -24,28 +25,36 @@
  *    so that an error is corrected once, by the step, not twice; a window in
  *    which the arbiter moved the limit leaves the gain as it was.
  * Until the container's utilisation first exceeds the limit the bucket is not
- * engaged (launches pay one atomic increment); it disengages again when the
+ * engaged (launches pay one atomic increment); it engages with the gain at
+ * this process's part of the container's work (1/N of the limit for N equal
+ * processes), and disengages again when the
  * program uses far less than the bucket allows.  Without NVML, or without
  * per-process utilisation (MIG), one line says the limit is not enforced.
  */
 #define _GNU_SOURCE
+#include <limits.h>
+#include <linux/futex.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "vgpu.h"
 
 #define CONTROL_NS 50000000ll /* control period */
 #define MIN_WAIT_NS 2500000ll /* shortest sleep of a launch waiting for tokens (fewer wake-ups) */
-#define MAX_WAIT_NS 10000000ll /* longest one (the rate or the engagement may change) */
+#define MAX_WAIT_NS 1000000000ll /* longest one: a raised rate or a disengagement wakes it sooner */
 #define RATE_SHIFT 20        /* rate: tokens per ns of real time, fixed point */
 #define BURST_NS 20000000ll  /* the bucket holds 20 ms worth of the allowed rate */
 #define MAX_SAMPLES 512
 #define MAX_GRAPHS 64
 #define MEASURE_EVERY 16     /* graph launches between two measurements */
 #define WINDOW 4             /* control periods per gain step (200 ms) */
+#define GAIN_MIN (1.0 / VGPU_MAX_SLOTS) /* a container's slots can share its limit */
+#define GAIN_MAX 50.0
 
 enum { OFF_UNKNOWN, OFF, RUNNING };
 
@@ -65,6 +74,14 @@ static long long kernel_cost_ns = 100000; /* estimate per kernel launch */
 static unsigned long long kernel_launches;
 static long long graph_ns;        /* GPU time charged to graph launches this period */
 static unsigned long long bucket_waits; /* launches that found the bucket empty */
+/* Launches waiting for tokens sleep on `wake_seq` (a private futex) until their
+ * debt is earned back at the rate they saw; a raised rate or a disengaged
+ * bucket bumps it and wakes them.  A fixed short sleep (10 ms) instead woke a
+ * process with a small share many times per launch: a greedy tenant held to
+ * 5 % with 5 ms kernels woke 127 times a second, 59 now (its controller's 20
+ * periods included). */
+static uint32_t wake_seq;
+static int sleepers;
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 
 typedef CUresult (*event_create_fn)(CUevent *, unsigned int);
@@ -89,8 +106,11 @@ static void sleep_ns(long long ns)
 }
 
 /*
- * Credits the tokens earned since the last refill (at most a full bucket's
- * worth, BURST_NS of the rate).  Any thread may call it; the one whose
+ * Credits the tokens earned since the last refill, up to a full bucket
+ * (BURST_NS of the rate).  A bucket in debt earns for the whole interval: a
+ * launch that slept a second for its tokens is owed the whole second (an
+ * interval clipped to BURST_NS, as before, paid a debt back at 20 ms per
+ * refill however long the wait).  Any thread may call it; the one whose
  * compare-and-swap moves `refilled_at` credits that interval, so no time is
  * counted twice.
  */
@@ -101,13 +121,32 @@ static void refill(long long t)
         !__atomic_compare_exchange_n(&refilled_at, &last, t, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         return;
     long long rate = __atomic_load_n(&rate_fp, __ATOMIC_RELAXED), elapsed = t - last;
-    elapsed = elapsed < BURST_NS ? elapsed : BURST_NS;
-    long long add = (elapsed * rate) >> RATE_SHIFT, cap = (BURST_NS * rate) >> RATE_SHIFT;
+    long long cap = (BURST_NS * rate) >> RATE_SHIFT;
     long long cur = __atomic_load_n(&tokens, __ATOMIC_RELAXED);
-    if (cur + add > cap)
-        add = cap > cur ? cap - cur : 0;
+    if (rate <= 0 || cur >= cap)
+        return;
+    /* the time that fills the bucket: no more is credited (nor multiplied,
+     * so that an idle hour cannot overflow the product) */
+    long long room = cap - cur, fill_ns = (room << RATE_SHIFT) / rate + 1;
+    long long add = ((elapsed < fill_ns ? elapsed : fill_ns) * rate) >> RATE_SHIFT;
+    if (add > room)
+        add = room;
     if (add)
         __atomic_fetch_add(&tokens, add, __ATOMIC_RELEASE);
+}
+
+/* Launches asleep for tokens look again: the rate rose, or the bucket is off. */
+static void wake_waiters(void)
+{
+    __atomic_fetch_add(&wake_seq, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&sleepers, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &wake_seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+static void disengage(void)
+{
+    __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
+    wake_waiters();
 }
 
 /* The rate in force from now on (the time until now is credited at the old one). */
@@ -115,7 +154,9 @@ static void set_rate(double limit, double gain)
 {
     refill(vgpu_now_ns());
     double r = limit / 100 * gain * (double)(1ll << RATE_SHIFT);
-    __atomic_store_n(&rate_fp, (long long)(r > 1 ? r : 1), __ATOMIC_RELEASE);
+    long long next = (long long)(r > 1 ? r : 1);
+    if (__atomic_exchange_n(&rate_fp, next, __ATOMIC_ACQ_REL) < next)
+        wake_waiters();
 }
 
 static int nvml_devices(void)
@@ -164,6 +205,7 @@ static struct {
 struct util {
     double self;      /* this process */
     double container; /* the container's processes */
+    int self_unknown; /* its host pid is not known: self is the container's */
 };
 
 /* One device's new samples, one entry per host pid (the mean of its samples),
@@ -235,7 +277,7 @@ static int device_util(unsigned int d, const struct vgpu_pid *pids, int npids, u
         }
     }
     double all = 0;
-    *out = (struct util){0, 0};
+    *out = (struct util){0, 0, 0};
     for (int i = 0; i < m; i++) {
         agg[i].util /= counts[i];
         all += agg[i].util;
@@ -263,8 +305,10 @@ static int device_util(unsigned int d, const struct vgpu_pid *pids, int npids, u
                      "throttling on the whole card's utilisation");
         out->container = all;
     }
-    if (!self)
+    if (!self) {
         out->self = out->container;
+        out->self_unknown = 1;
+    }
     return 0;
 }
 
@@ -280,7 +324,7 @@ static int container_util(struct util *u, int publish)
     qsort(pids, (size_t)npids, sizeof(pids[0]), by_host_pid);
     unsigned self = vgpu_budget_host_pid();
     int rc = -2, busiest = -1;
-    *u = (struct util){-1, -1};
+    *u = (struct util){-1, -1, 0};
     /* Only the cards the container uses (its budget file's entries): each
      * query is O(processes on the card) in the driver, and a card it has no
      * context on tells nothing about it.  Every card while no entry names one
@@ -349,7 +393,7 @@ static int sampled_util(struct util *u)
         if (p.rc != VGPU_POLL_OK)
             return p.rc == VGPU_POLL_UNSUPPORTED ? -2 : -1;
         unsigned self = vgpu_budget_host_pid();
-        *u = (struct util){self ? p.self : p.container, p.container};
+        *u = (struct util){self ? p.self : p.container, p.container, !self};
         return 0;
     }
     /* No poller, or a stale one that still holds the lock (hung, or starved of
@@ -419,6 +463,7 @@ static void *controller(void *arg)
         long long dt, graphs_ns;
         unsigned long long launches;
         int periods;
+        int self_unknown; /* in some period its host pid was not known */
     } w = {0};
     for (;;) {
         sleep_ns(CONTROL_NS); /* launches refill the bucket themselves */
@@ -435,7 +480,7 @@ static void *controller(void *arg)
         struct util u;
         int rc = sampled_util(&u);
         if (rc == -3) { /* no NVML in this process either: said by nvml_devices */
-            __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
+            disengage();
             __atomic_store_n(&state, OFF, __ATOMIC_RELEASE);
             return NULL;
         }
@@ -443,7 +488,7 @@ static void *controller(void *arg)
         if (unsupported >= 3) {
             vgpu_log(&logged, "NVML has no per-process utilisation for this device (MIG or "
                      "unsupported): compute limit of %d%% not enforced", vgpu_cfg.core_percent);
-            __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
+            disengage();
             __atomic_store_n(&state, OFF, __ATOMIC_RELEASE);
             return NULL;
         }
@@ -456,6 +501,7 @@ static void *controller(void *arg)
         w.graphs_ns += graphs;
         w.util_ns += u.container * (double)dt;
         w.self_ns += u.self * (double)dt;
+        w.self_unknown |= u.self_unknown;
         w.limit_ns += limit * (double)dt;
         if (!w.dt || limit < w.limit_lo)
             w.limit_lo = limit;
@@ -465,7 +511,7 @@ static void *controller(void *arg)
         int is_engaged = __atomic_load_n(&engaged, __ATOMIC_RELAXED);
         if (limit >= 99.5) { /* the arbiter lets it have the card: nothing to hold back */
             if (is_engaged) {
-                __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
+                disengage();
                 VGPU_TRACE("throttle disengaged: the whole card is allowed");
             }
             w = (struct window){0};
@@ -479,7 +525,21 @@ static void *controller(void *arg)
             long long k = w.launches ? (long long)(w.self_ns / 100) / (long long)w.launches : 0;
             if (k > 1000)
                 __atomic_store_n(&kernel_cost_ns, k, __ATOMIC_RELAXED);
-            gain = 1;
+            /* Its part of the container's work so far: N busy processes start
+             * at a bucket of limit / N each, not N buckets of the whole limit
+             * (the gain's steps took 2 s to bring 40 of them down to it, and
+             * a floor of 0.02 let a container of 100 hold 64 % at a limit of
+             * 30 %).  Without a measure of its own (its host pid not known
+             * yet, or no busy time of its own in the samples so far): an equal
+             * part of the container's live processes. */
+            double part = 1;
+            if (!w.self_unknown && w.self_ns > 0) {
+                part = w.util_ns > w.self_ns ? w.self_ns / w.util_ns : 1;
+            } else {
+                int live = vgpu_budget_peek_pids(NULL, VGPU_MAX_SLOTS);
+                part = live > 1 ? 1.0 / live : 1;
+            }
+            gain = clamp(part, GAIN_MIN, 1);
             __atomic_store_n(&rate_fp, 0, __ATOMIC_RELAXED);
             __atomic_store_n(&refilled_at, vgpu_now_ns(), __ATOMIC_RELEASE);
             __atomic_store_n(&tokens, 0, __ATOMIC_RELAXED);
@@ -498,17 +558,27 @@ static void *controller(void *arg)
          * window (the arbiter may have moved it in between), not the new one. */
         double held = w.limit_ns / (double)w.dt, gain_was = gain;
         long long busy = (long long)(self / 100 * (double)w.dt);
-        if (w.launches > 0) {
+        /* A window with launches but no busy time of its own measured says
+         * nothing of a kernel's cost: NVML gives whole percents, and a process
+         * with a small part of a busy container reads 0 % in most windows
+         * (taken as a cost, it halved the estimate window after window). */
+        if (w.launches > 0 && w.self_ns > 0) {
             long long k = (busy - w.graphs_ns) / (long long)w.launches;
             k = k > 1000 ? k : 1000;
             long long prev = __atomic_load_n(&kernel_cost_ns, __ATOMIC_RELAXED);
             long long next = (prev + k) / 2;
-            __atomic_store_n(&kernel_cost_ns, next, __ATOMIC_RELAXED);
             /* The gain already corrects the old estimate's error: keep the bucket's
              * launches per second as they were, so that the step below (from
-             * what they achieved) is the only correction, not applied twice. */
-            if (is_engaged && prev > 0)
-                gain = clamp(gain * (double)next / (double)prev, 0.02, 50);
+             * what they achieved) is the only correction, not applied twice;
+             * where the gain is at a bound, the estimate moves only as far as
+             * the gain can follow. */
+            if (is_engaged && prev > 0) {
+                double scaled = gain * (double)next / (double)prev;
+                double bounded = clamp(scaled, GAIN_MIN, GAIN_MAX);
+                next = (long long)((double)next * bounded / scaled);
+                gain = bounded;
+            }
+            __atomic_store_n(&kernel_cost_ns, next, __ATOMIC_RELAXED);
         }
         if (is_engaged) {
             long long spent = (long long)w.launches *
@@ -527,13 +597,13 @@ static void *controller(void *arg)
              * otherwise raise its gain and hold on to 40 % for a window. */
             double moved = w.limit_hi - w.limit_lo, tolerance = w.limit_hi / 10;
             if (moved <= (tolerance > 2 ? tolerance : 2) && (step < 1 || waits != waits_seen))
-                gain = clamp(gain * step, 0.02, 50);
+                gain = clamp(gain * step, GAIN_MIN, GAIN_MAX);
             if (gain != gain_was)
                 set_rate(limit, gain);
             waits_seen = waits;
             if (util < limit && (double)spent * 4 < allowed &&
                 __atomic_load_n(&tokens, __ATOMIC_RELAXED) >= 0) {
-                __atomic_store_n(&engaged, 0, __ATOMIC_RELEASE);
+                disengage();
                 VGPU_TRACE("throttle disengaged: utilisation %.1f%%", util);
             }
             VGPU_TRACE("throttle: utilisation %.1f%% (this process %.1f%%), gain %.3f, "
@@ -587,8 +657,11 @@ static inline void wait_tokens(long long cost)
 {
     if (__builtin_expect(!__atomic_load_n(&engaged, __ATOMIC_ACQUIRE), 1))
         return;
-    long long waited = 0;
-    while (__atomic_load_n(&engaged, __ATOMIC_ACQUIRE)) {
+    long long since = 0;
+    for (;;) {
+        uint32_t seq = __atomic_load_n(&wake_seq, __ATOMIC_SEQ_CST);
+        if (!__atomic_load_n(&engaged, __ATOMIC_ACQUIRE))
+            break;
         long long have = __atomic_load_n(&tokens, __ATOMIC_ACQUIRE);
         if (have <= 0) { /* empty: credit the time since the last refill */
             refill(vgpu_now_ns());
@@ -600,21 +673,26 @@ static inline void wait_tokens(long long cost)
                                __ATOMIC_ACQ_REL);
             break;
         }
-        if (!waited) {
+        if (!since) {
+            since = vgpu_now_ns();
             vgpu_budget_note_wait();
             __atomic_fetch_add(&bucket_waits, 1, __ATOMIC_RELAXED);
         }
-        /* Sleep until the debt is earned back (bounded: the rate may change). */
+        /* Sleep until the debt is earned back at this rate, or until woken. */
         long long rate = __atomic_load_n(&rate_fp, __ATOMIC_RELAXED);
         double need = rate > 0 ? (double)(1 - have) * (double)(1ll << RATE_SHIFT) / (double)rate
                                : (double)MAX_WAIT_NS;
         long long ns = need < (double)MIN_WAIT_NS   ? MIN_WAIT_NS
                        : need > (double)MAX_WAIT_NS ? MAX_WAIT_NS
                                                     : (long long)need + 1;
-        sleep_ns(ns);
-        waited += ns;
+        struct timespec ts = {ns / 1000000000ll, ns % 1000000000ll};
+        __atomic_fetch_add(&sleepers, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&wake_seq, __ATOMIC_SEQ_CST) == seq)
+            syscall(SYS_futex, &wake_seq, FUTEX_WAIT_PRIVATE, seq, &ts, NULL, 0);
+        __atomic_fetch_sub(&sleepers, 1, __ATOMIC_SEQ_CST);
     }
-    VGPU_TRACE("launch waited %lld us for tokens", waited / 1000);
+    if (since)
+        VGPU_TRACE("launch waited %lld us for tokens", (vgpu_now_ns() - since) / 1000);
 }
 
 static inline void kernel_launch(void)
@@ -714,6 +792,7 @@ void vgpu_throttle_after_fork(void)
         state = OFF_UNKNOWN;
     engaged = 0;
     rate_fp = 0;
+    sleepers = 0; /* the parent's other threads, asleep for tokens, are not here */
     memset(&arb, 0, sizeof(arb));
     memset(&followed, 0, sizeof(followed));
 }

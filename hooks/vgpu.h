@@ -118,7 +118,8 @@ struct vgpu_pid {
 /* The container's live processes; returns how many (<= max). */
 int vgpu_budget_pids(struct vgpu_pid *out, int max);
 /* The same without the lock or reclaiming dead slots (a racy snapshot, for
- * matching NVML's host pids: NVML does not list dead processes). */
+ * matching NVML's host pids: NVML does not list dead processes); out NULL:
+ * only counts them. */
 int vgpu_budget_peek_pids(struct vgpu_pid *out, int max);
 /* The container's utilisation as its poller last published it (vgpu_shared.h). */
 struct vgpu_poll {

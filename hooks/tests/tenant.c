@@ -8,7 +8,9 @@
  *                              use DEMAND % of the card if it were alone (100 =
  *                              greedy), in windows of 20 ms; prints one JSON
  *                              line per phase: launches and the GPU time its
- *                              kernels got (stand-in only, else -1)
+ *                              kernels got (stand-in only, else -1); with
+ *                              TENANT_LAUNCH_LOG set, also a line per launch
+ *                              with the CLOCK_MONOTONIC ns it returned at
  *   vgpu_tenant storm MIB SECS init, context, a first allocation of MIB and one
  *                              launch; prints how long that took (ns, from the
  *                              process's start of main), then keeps launching
@@ -69,6 +71,7 @@ static int load(const char *phases)
     if (!k)
         k = getenv("FAKE_CUDA_LAUNCH_US");
     long long kernel_ns = (k ? atoll(k) : 200) * 1000ll, window_ns = 20000000ll;
+    int log_launches = getenv("TENANT_LAUNCH_LOG") != NULL;
     if (kernel_ns <= 0 || setup() != 0)
         return 1;
     char *copy = strdup(phases), *save = NULL;
@@ -82,8 +85,13 @@ static int load(const char *phases)
             long long per_window = (long long)(demand / 100.0 * (double)window_ns / (double)kernel_ns);
             if (demand >= 100)
                 per_window = window_ns / kernel_ns + 1;
-            for (long long i = 0; i < per_window && now_ns() < end; i++, launches++)
+            for (long long i = 0; i < per_window && now_ns() < end; i++, launches++) {
                 launch();
+                if (log_launches) { /* when each launch returned (CLOCK_MONOTONIC) */
+                    printf("{\"launched_ns\":%lld}\n", now_ns());
+                    fflush(stdout);
+                }
+            }
             if (demand < 100)
                 sleep_ns(w0 + window_ns - now_ns());
         }
@@ -102,7 +110,10 @@ static int storm(long long t0, size_t mib, double seconds)
     if (setup() != 0 || cuMemAlloc_v2(&p, mib << 20) != CUDA_SUCCESS || launch() != CUDA_SUCCESS)
         return 1;
     long long ready = now_ns() - t0;
-    printf("{\"op\":\"ready\",\"init_ns\":%lld,\"pid\":%d}\n", ready, getpid());
+    struct timespec cpu; /* this process's CPU time so far, every thread (the hook's too) */
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &cpu);
+    printf("{\"op\":\"ready\",\"init_ns\":%lld,\"cpu_ns\":%lld,\"pid\":%d}\n", ready,
+           cpu.tv_sec * 1000000000ll + cpu.tv_nsec, getpid());
     fflush(stdout);
     long long end = now_ns() + (long long)(seconds * 1e9);
     while (now_ns() < end) {

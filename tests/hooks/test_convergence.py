@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.hooks.test_hooks import BUILD, base_env
+from vgpu.adapters import budget
 
 TENANT = BUILD / "vgpu_tenant"
 PHASE_S = 0.25
@@ -50,3 +53,123 @@ def test_a_greedy_tenant_settles_on_its_limit_within_a_quarter_second(
     # correcting it twice (a CPU-starved tenant may fall short: more room below)
     for share in shares[1:]:
         assert limit - 8 <= share <= limit + 5, shares
+
+
+def _voluntary_switches(pid: int) -> int:
+    """Voluntary context switches of every thread of the process so far."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            text = status.read_text()
+        except OSError:  # a thread that just ended
+            continue
+        for line in text.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.timeout(60)
+def test_a_launch_held_for_tokens_sleeps_once_and_wakes_when_its_share_is_raised(
+    tmp_path: Path,
+) -> None:
+    """At a share of 0.5 % a 20 ms kernel earns its tokens in 4 s. The held
+    launch sleeps until then (at most 1 s at a time) instead of waking every
+    10 ms, and is credited the whole wait (a refill clipped to 20 ms of the
+    rate made the gap 10 s); the arbiter raising the share wakes it at once,
+    to earn the rest at the new rate."""
+    path = tmp_path / budget.FILE_NAME
+    budget.ensure(path)
+    allowed = {"centi": 50}
+    stop = threading.Event()
+
+    def arbiter() -> None:  # the daemon's words, every 50 ms (its period is 100 ms)
+        seq = 0
+        while not stop.is_set():
+            seq += 1
+            budget.write_arbiter(path, seq, allowed["centi"], 50, 10000, 0)
+            stop.wait(0.05)
+
+    writer = threading.Thread(target=arbiter, daemon=True)
+    writer.start()
+    env = base_env(nvml=True)
+    env.update(
+        VGPU_SHARED_DIR=str(tmp_path),
+        VGPU_CORE_LIMIT="1",
+        FAKE_GPU_STATE=str(tmp_path / "gpu"),
+        FAKE_CUDA_LAUNCH_US="20000",
+        TENANT_LAUNCH_LOG="1",
+    )
+    tenant = subprocess.Popen(
+        [str(TENANT), "load", "100:30"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert tenant.stdout is not None
+    try:
+        deadline = time.monotonic() + 20
+        last_at, last_switches = time.monotonic(), 0
+        gap_s = rate = 0.0
+        for line in tenant.stdout:  # a long gap: the bucket engaged, the cost estimated
+            now, switches = time.monotonic(), _voluntary_switches(tenant.pid)
+            gap_s, rate = now - last_at, (switches - last_switches) / (now - last_at)
+            last_at, last_switches = now, switches
+            if ("launched_ns" in line and gap_s > 0.8) or now > deadline:
+                break
+        assert gap_s > 0.8, "the throttle never held a launch for long"
+        # credited for the whole wait: 4 s of earning, not 20 ms per refill
+        assert gap_s < 6.0, f"a launch waited {gap_s:.1f} s for 4 s worth of tokens"
+        # one sleep per second of the wait and the controller's 20 periods,
+        # not a wake-up every 10 ms
+        assert rate < 60, f"{rate:.0f} wake-ups/s while a launch was held for tokens"
+        time.sleep(0.1)  # the next launch sleeps for 1 s from last_at unless woken
+        raised_at = time.monotonic()
+        allowed["centi"] = 1000
+        line = tenant.stdout.readline()
+        assert "launched_ns" in line, line
+        woke_s = json.loads(line)["launched_ns"] / 1e9 - raised_at
+        # the controller sees the new share within its period (50 ms) of the
+        # arbiter's write (50 ms), wakes the launch, and the 20 ms debt is
+        # earned at 10 % in 0.2 s (0.4 s in all; without the wake-up on the
+        # raise, the disengagement once the debt is paid wakes it about 0.2 s
+        # later); a launch nothing wakes sleeps on to 0.9 s
+        assert woke_s < 0.7, f"the held launch ran {woke_s:.2f} s after its share was raised"
+    finally:
+        stop.set()
+        tenant.kill()
+        tenant.wait()
+        writer.join()
+
+
+@pytest.mark.timeout(90)
+def test_a_container_of_many_greedy_processes_is_held_to_its_limit_from_the_start(
+    tmp_path: Path,
+) -> None:
+    """24 greedy processes share one 30 % limit. Each bucket engages at its
+    process's part of the container's work (or an equal part of its live
+    processes), not at the whole limit: before, the 24 buckets started at 30 %
+    each and the gain's 0.7 steps took seconds to bring them down (the
+    container held 100 % of the card over its first 1.5 s, 37 % over the
+    next; now 36 % and 31 %)."""
+    budget.ensure(tmp_path / budget.FILE_NAME)
+    env = base_env(nvml=True)
+    env.update(
+        VGPU_SHARED_DIR=str(tmp_path),
+        VGPU_CORE_LIMIT="30",
+        FAKE_GPU_STATE=str(tmp_path / "gpu"),
+        FAKE_CUDA_LAUNCH_US="200",
+    )
+    tenants = [
+        subprocess.Popen(
+            [str(TENANT), "load", "100:1.5,100:1.5"], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(24)
+    ]
+    shares = [0.0, 0.0]
+    for tenant in tenants:
+        out, _ = tenant.communicate(timeout=60)
+        assert tenant.returncode == 0
+        for i, line in enumerate(out.splitlines()):
+            phase = json.loads(line)
+            shares[i] += 100 * phase["busy_ns"] / (phase["seconds"] * 1e9)
+    # the first phase holds the engagement (the first sample runs free)
+    assert shares[0] < 50, shares
+    assert 22 <= shares[1] <= 36, shares

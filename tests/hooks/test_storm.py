@@ -42,6 +42,8 @@ def test_fifty_processes_start_together_and_survive_kills(containers: int, telle
     assert 1 <= result["killed"] <= 5, result
     assert result["stuck"] == 0, result
     assert result["wall_s"] < 10, result
+    # each process's own CPU at ready (exec, loader, hook, driver): a few ms at most
+    assert 0 < result["ready_cpu_ms_p50"] < 100, result
     identified = result["identified"]
     assert identified["wrong"] == 0 and identified["unknown"] == 0, result
     assert identified["right"] == 50 - result["killed"], result
