@@ -26,15 +26,32 @@ from tests.hooks.test_hooks import BUILD
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("containers", "teller"),
-    [(1, True), (10, True), (10, False)],
-    ids=["1-container-told", "10-containers-told", "10-containers-self-identified"],
+    ("containers", "teller", "together"),
+    [(1, True, False), (10, True, False), (10, False, False), (1, True, True), (10, False, True)],
+    ids=[
+        "1-container-told",
+        "10-containers-told",
+        "10-containers-self-identified",
+        "1-container-told-at-once",
+        "10-containers-self-identified-at-once",
+    ],
 )
-def test_fifty_processes_start_together_and_survive_kills(containers: int, teller: bool) -> None:
+def test_fifty_processes_start_together_and_survive_kills(
+    containers: int, teller: bool, together: bool
+) -> None:
     """told: the daemon's arbiter tells host pids (vgpu/daemon/pidteller.py);
-    self-identified: it does not, and each hook diffs the card's process lists."""
+    self-identified: it does not, and each hook diffs the card's process lists.
+    at-once: all 50 are held at a gate before their exec and let go together
+    (the kills land 0-40 ms after that), not started one by one as spawned."""
     result = storm(
-        50, containers, hooked=True, kill=True, settle_s=6.0, seed=containers, teller=teller
+        50,
+        containers,
+        hooked=True,
+        kill=True,
+        settle_s=6.0,
+        seed=containers,
+        teller=teller,
+        together=together,
     )
     print(result)
     assert result["teller"] is teller
