@@ -169,6 +169,14 @@ def _env(work: Path, container: int, hooked: bool) -> dict[str, str]:
     return env
 
 
+def _runqueue_wait_s() -> float | None:
+    """Time this thread has spent runnable but waiting for a CPU (schedstat)."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _slots(path: Path) -> dict[int, int]:
     """pid -> host pid of the live slots of a budget file."""
     data = path.read_bytes()
@@ -214,6 +222,7 @@ def storm(
         sel = selectors.DefaultSelector()
         tenant = [str(TENANT), "storm", "1", str(settle_s)]
         gate_r, gate_w = os.pipe() if together else (-1, -1)
+        waited0 = _runqueue_wait_s()
         t0 = time.monotonic()
         for i in range(n):
             p = subprocess.Popen(
@@ -230,6 +239,9 @@ def storm(
             assert p.stdout is not None
             os.set_blocking(p.stdout.fileno(), False)
             sel.register(p.stdout, selectors.EVENT_READ, i)
+        spawn_s = time.monotonic() - t0
+        waited1 = _runqueue_wait_s()
+        spawn_wait_s = waited1 - waited0 if waited0 is not None and waited1 is not None else None
         if together:
             os.close(gate_r)
             t0 = time.monotonic()
@@ -324,6 +336,10 @@ def storm(
             # CPU each process had used when ready (exec, loader, hook, driver), every thread
             "ready_cpu_ms_p50": round(percentile(list(cpu_ms.values()), 50), 3) if values else None,
             "identified": {"right": right, "wrong": wrong, "unknown": unknown} if hooked else None,
+            # the harness's spawning: how long, and how much of it waiting for a CPU
+            # behind the processes already started (all of the wall, unless together)
+            "spawn_s": round(spawn_s, 3),
+            "spawn_runqueue_wait_s": round(spawn_wait_s, 3) if spawn_wait_s is not None else None,
             "arbiter_cpu_s": arbiter_cpu_s,
             "teller": hooked and arbiter and teller,
         }

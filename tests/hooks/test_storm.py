@@ -61,6 +61,8 @@ def test_fifty_processes_start_together_and_survive_kills(
     assert result["wall_s"] < 10, result
     # each process's own CPU at ready (exec, loader, hook, driver): a few ms at most
     assert 0 < result["ready_cpu_ms_p50"] < 100, result
+    # the harness's own spawning, and its wait for a CPU in it (Linux schedstat)
+    assert 0 <= result["spawn_runqueue_wait_s"] <= result["spawn_s"], result
     identified = result["identified"]
     assert identified["wrong"] == 0 and identified["unknown"] == 0, result
     assert identified["right"] == 50 - result["killed"], result
