@@ -28,7 +28,13 @@ Measured, each against the same storm without the hook (no LD_PRELOAD):
   its own host pid (pid + its container's offset), so it is throttled on its
   own container's share.
 
-``python -m bench.storm [--processes 300] [--quick]``; needs ``make -C hooks test-bins``.
+By default each process starts as the harness spawns it, one after another;
+``--together`` spawns all first, held at a gate before their exec, and lets
+them go at once (each one's start-up then includes its wait for a CPU among
+all the others, so the p99 target is not meaningful there).
+
+``python -m bench.storm [--processes 300] [--rounds N] [--together]``; needs
+``make -C hooks test-bins``.
 """
 
 from __future__ import annotations
