@@ -27,18 +27,25 @@ PHASE_S = 0.25
 PHASES = 6
 
 
+def _tenant_env(work: Path, limit: int, kernel_us: int, **extra: str) -> dict[str, str]:
+    """A tenant of one container (its budget file in `work`) on the stand-in card."""
+    env = base_env(nvml=True)
+    env.update(
+        VGPU_SHARED_DIR=str(work),
+        VGPU_CORE_LIMIT=str(limit),
+        FAKE_GPU_STATE=str(work / "gpu"),
+        FAKE_CUDA_LAUNCH_US=str(kernel_us),
+        **extra,
+    )
+    return env
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("limit", [30, 60])
 def test_a_greedy_tenant_settles_on_its_limit_within_a_quarter_second(
     tmp_path: Path, limit: int
 ) -> None:
-    env = base_env(nvml=True)
-    env.update(
-        VGPU_SHARED_DIR=str(tmp_path),
-        VGPU_CORE_LIMIT=str(limit),
-        FAKE_GPU_STATE=str(tmp_path / "gpu"),
-        FAKE_CUDA_LAUNCH_US="200",
-    )
+    env = _tenant_env(tmp_path, limit, 200)
     phases = ",".join([f"100:{PHASE_S}"] * PHASES)
     run = subprocess.run(
         [str(TENANT), "load", phases], env=env, capture_output=True, text=True, timeout=30
@@ -92,14 +99,7 @@ def test_a_launch_held_for_tokens_sleeps_once_and_wakes_when_its_share_is_raised
 
     writer = threading.Thread(target=arbiter, daemon=True)
     writer.start()
-    env = base_env(nvml=True)
-    env.update(
-        VGPU_SHARED_DIR=str(tmp_path),
-        VGPU_CORE_LIMIT="1",
-        FAKE_GPU_STATE=str(tmp_path / "gpu"),
-        FAKE_CUDA_LAUNCH_US="20000",
-        TENANT_LAUNCH_LOG="1",
-    )
+    env = _tenant_env(tmp_path, 1, 20000, TENANT_LAUNCH_LOG="1")
     tenant = subprocess.Popen(
         [str(TENANT), "load", "100:30"], env=env, stdout=subprocess.PIPE, text=True
     )
@@ -150,13 +150,7 @@ def test_a_container_of_many_greedy_processes_is_held_to_its_limit_from_the_star
     container held 100 % of the card over its first 1.5 s, 37 % over the
     next; now 36 % and 31 %)."""
     budget.ensure(tmp_path / budget.FILE_NAME)
-    env = base_env(nvml=True)
-    env.update(
-        VGPU_SHARED_DIR=str(tmp_path),
-        VGPU_CORE_LIMIT="30",
-        FAKE_GPU_STATE=str(tmp_path / "gpu"),
-        FAKE_CUDA_LAUNCH_US="200",
-    )
+    env = _tenant_env(tmp_path, 30, 200)
     tenants = [
         subprocess.Popen(
             [str(TENANT), "load", "100:1.5,100:1.5"], env=env, stdout=subprocess.PIPE, text=True
