@@ -35,6 +35,7 @@ int vgpu_nvml_load(void)
         vgpu_nvml.uuid = (nvmlDeviceGetUUID_fn)LOOK("nvmlDeviceGetUUID");
         vgpu_nvml.utilization =
             (nvmlDeviceGetProcessUtilization_fn)LOOK("nvmlDeviceGetProcessUtilization");
+        vgpu_nvml.rates = (nvmlDeviceGetUtilizationRates_fn)LOOK("nvmlDeviceGetUtilizationRates");
         vgpu_nvml.processes =
             (nvmlDeviceGetComputeRunningProcesses_v3_fn)LOOK("nvmlDeviceGetComputeRunningProcesses_v3");
         if (!vgpu_nvml.processes) /* same entry layout */

@@ -29,6 +29,11 @@ typedef struct {
 } nvmlMemory_t;
 
 typedef struct {
+    unsigned int gpu;    /* percent of the sample period one or more kernels ran */
+    unsigned int memory;
+} nvmlUtilization_t;
+
+typedef struct {
     unsigned int version;
     unsigned long long total;
     unsigned long long reserved;
@@ -57,5 +62,6 @@ typedef nvmlReturn_t (*nvmlDeviceGetUUID_fn)(nvmlDevice_t, char *, unsigned int)
 typedef nvmlReturn_t (*nvmlDeviceGetProcessUtilization_fn)(nvmlDevice_t,
                                                            nvmlProcessUtilizationSample_t *,
                                                            unsigned int *, unsigned long long);
+typedef nvmlReturn_t (*nvmlDeviceGetUtilizationRates_fn)(nvmlDevice_t, nvmlUtilization_t *);
 
 #endif

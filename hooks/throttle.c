@@ -230,12 +230,44 @@ static int by_host_pid(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-static double util_of(unsigned int d, unsigned int pid)
+static const struct pid_util *sample_of(unsigned int d, unsigned int pid)
 {
     struct pid_util key = {pid, 0};
-    const struct pid_util *hit =
-        bsearch(&key, per_pid[d], (size_t)per_pid_count[d], sizeof(key), by_pid);
+    return bsearch(&key, per_pid[d], (size_t)per_pid_count[d], sizeof(key), by_pid);
+}
+
+static double util_of(unsigned int d, unsigned int pid)
+{
+    const struct pid_util *hit = sample_of(d, pid);
     return hit ? hit->util : 0;
+}
+
+/*
+ * What the container's small processes add to its figure.  NVML gives each
+ * process's samples in whole percents, so a process with under 1 % of the card
+ * reads 0 in most of them, and a container of a hundred such processes summed
+ * to far less than it used (100 greedy ones under a 30 % limit held about
+ * 50 % of the card).  The card's own utilisation is not rounded per process:
+ * its excess over the sum of every process's samples is what the small ones
+ * lost, shared out by how many of them each container has.
+ */
+static double small_processes_lost(unsigned int d, const struct vgpu_pid *pids, int npids,
+                                   double all)
+{
+    nvmlUtilization_t card;
+    if (!vgpu_nvml.rates || vgpu_nvml.rates(nvml.devices[d], &card) != NVML_SUCCESS ||
+        (double)card.gpu <= all)
+        return 0;
+    int small = 0, ours = 0;
+    for (int i = 0; i < per_pid_count[d]; i++)
+        small += per_pid[d][i].util < 1;
+    for (int i = 0; i < npids; i++) { /* each host pid once (sorted) */
+        if (!pids[i].host_pid || (i && pids[i].host_pid == pids[i - 1].host_pid))
+            continue;
+        const struct pid_util *hit = sample_of(d, pids[i].host_pid);
+        ours += hit && hit->util < 1;
+    }
+    return small ? ((double)card.gpu - all) * ours / small : 0;
 }
 
 /*
@@ -289,6 +321,11 @@ static int device_util(unsigned int d, const struct vgpu_pid *pids, int npids, u
             continue;
         known = 1;
         out->container += util_of(d, pids[i].host_pid);
+    }
+    if (known) {
+        out->container += small_processes_lost(d, pids, npids, all);
+        if (out->container > 100)
+            out->container = 100;
     }
     if (self)
         out->self = util_of(d, self);

@@ -178,6 +178,7 @@ struct vgpu_nvml_api {
     nvmlDeviceGetHandleByUUID_fn by_uuid;
     nvmlDeviceGetUUID_fn uuid;
     nvmlDeviceGetProcessUtilization_fn utilization;
+    nvmlDeviceGetUtilizationRates_fn rates; /* the whole card's (optional) */
     nvmlDeviceGetComputeRunningProcesses_v3_fn processes;
     nvmlDeviceGetMemoryInfo_fn memory;
 };

@@ -106,6 +106,8 @@ int main(void)
            offsetof(nvmlProcessInfo_v2_t, pid), offsetof(nvmlProcessInfo_v2_t, usedGpuMemory),
            offsetof(nvmlProcessInfo_v2_t, gpuInstanceId),
            offsetof(nvmlProcessInfo_v2_t, computeInstanceId));
+    printf("\"nvmlUtilization_t\": [%zu, %zu, %zu], ", sizeof(nvmlUtilization_t),
+           offsetof(nvmlUtilization_t, gpu), offsetof(nvmlUtilization_t, memory));
     printf("\"nvmlProcessUtilizationSample_t\": [%zu, %zu, %zu, %zu], ",
            sizeof(nvmlProcessUtilizationSample_t), offsetof(nvmlProcessUtilizationSample_t, pid),
            offsetof(nvmlProcessUtilizationSample_t, timeStamp),

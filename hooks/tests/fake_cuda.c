@@ -668,6 +668,7 @@ static CUresult run_on_gpu(long long ns)
         start = p->stream_end;
     int64_t end = start + ns;
     g->free_at[card] = end;
+    g->scheduled_ns[card] += ns;
     p->stream_end = end;
     if (p->count == FAKE_RING) { /* fold the oldest (long finished) into the base */
         p->busy_base[p->ring[p->head].card] += p->ring[p->head].end - p->ring[p->head].start;

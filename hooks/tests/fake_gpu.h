@@ -52,6 +52,7 @@ struct fake_gpu {
     uint32_t lock;
     uint32_t ctx_arrived; /* processes that entered context creation (FAKE_CTX_BARRIER) */
     int64_t free_at[FAKE_MAX_DEV];
+    int64_t scheduled_ns[FAKE_MAX_DEV]; /* GPU time of every kernel ever queued */
     struct fake_proc procs[FAKE_MAX_PROCS];
 };
 

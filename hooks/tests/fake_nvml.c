@@ -191,6 +191,35 @@ static struct {
     int64_t at, busy;
 } seen[FAKE_MAX_PROCS][FAKE_CARDS];
 
+/* The card's utilisation since this caller's previous reading: the time its
+ * timeline ran kernels (the card serialises them, so what is queued beyond
+ * now is one stretch up to free_at). */
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u)
+{
+    static struct {
+        int64_t at, busy;
+    } last[FAKE_CARDS];
+    if (getenv("FAKE_NVML_UTIL_UNSUPPORTED"))
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (!u)
+        return INVALID_ARGUMENT;
+    struct fake_gpu *g = fake_gpu();
+    int card = card_of(d);
+    fake_lock(g);
+    int64_t now = fake_now();
+    int64_t ahead = g->free_at[card] > now ? g->free_at[card] - now : 0;
+    int64_t busy = g->scheduled_ns[card] - ahead;
+    fake_unlock(g);
+    double util = 0;
+    if (last[card].at && now > last[card].at)
+        util = 100.0 * (double)(busy - last[card].busy) / (double)(now - last[card].at);
+    last[card].at = now;
+    last[card].busy = busy;
+    u->gpu = (unsigned int)(util < 0 ? 0 : util > 100 ? 100 : util + 0.5);
+    u->memory = 0;
+    return NVML_SUCCESS;
+}
+
 nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample_t *s,
                                              unsigned int *count, unsigned long long last_seen)
 {

@@ -130,6 +130,7 @@ def _layout(struct: type[ctypes.Structure]) -> list[int]:
         ("nvmlProcessInfo_v2_t", "c_nvmlProcessInfo_v2_t"),
         ("nvmlProcessInfo_v2_t", "c_nvmlProcessInfo_v3_t"),
         ("nvmlProcessUtilizationSample_t", "c_nvmlProcessUtilizationSample_t"),
+        ("nvmlUtilization_t", "c_nvmlUtilization_t"),
     ],
 )
 def test_nvml_struct_matches_pynvml(our_nvml: dict[str, list[int]], ours: str, theirs: str) -> None:
