@@ -139,6 +139,26 @@ def test_a_launch_held_for_tokens_sleeps_once_and_wakes_when_its_share_is_raised
         writer.join()
 
 
+def _container_shares(work: Path, processes: int, phase_s: float) -> list[float]:
+    """Greedy tenants in one container under a 30 % limit, two phases of
+    `phase_s`: the container's share of the card in each (the card's timeline)."""
+    budget.ensure(work / budget.FILE_NAME)
+    env = _tenant_env(work, 30, 200)
+    phases = f"100:{phase_s},100:{phase_s}"
+    tenants = [
+        subprocess.Popen([str(TENANT), "load", phases], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(processes)
+    ]
+    shares = [0.0, 0.0]
+    for tenant in tenants:
+        out, _ = tenant.communicate(timeout=90)
+        assert tenant.returncode == 0
+        for i, line in enumerate(out.splitlines()):
+            phase = json.loads(line)
+            shares[i] += 100 * phase["busy_ns"] / (phase["seconds"] * 1e9)
+    return shares
+
+
 @pytest.mark.timeout(90)
 def test_a_container_of_many_greedy_processes_is_held_to_its_limit_from_the_start(
     tmp_path: Path,
@@ -149,21 +169,7 @@ def test_a_container_of_many_greedy_processes_is_held_to_its_limit_from_the_star
     each and the gain's 0.7 steps took seconds to bring them down (the
     container held 100 % of the card over its first 1.5 s, 37 % over the
     next; now 36 % and 31 %)."""
-    budget.ensure(tmp_path / budget.FILE_NAME)
-    env = _tenant_env(tmp_path, 30, 200)
-    tenants = [
-        subprocess.Popen(
-            [str(TENANT), "load", "100:1.5,100:1.5"], env=env, stdout=subprocess.PIPE, text=True
-        )
-        for _ in range(24)
-    ]
-    shares = [0.0, 0.0]
-    for tenant in tenants:
-        out, _ = tenant.communicate(timeout=60)
-        assert tenant.returncode == 0
-        for i, line in enumerate(out.splitlines()):
-            phase = json.loads(line)
-            shares[i] += 100 * phase["busy_ns"] / (phase["seconds"] * 1e9)
+    shares = _container_shares(tmp_path, 24, 1.5)
     # the first phase holds the engagement (the first sample runs free)
     assert shares[0] < 50, shares
     assert 22 <= shares[1] <= 36, shares
@@ -176,19 +182,5 @@ def test_a_container_of_a_hundred_small_processes_is_measured_whole(tmp_path: Pa
     the container looked like half of what it used, and held about 50 % of the
     card. The card's own utilisation has no such rounding; its excess over all
     processes' samples is what the small ones lost, and goes to their container."""
-    budget.ensure(tmp_path / budget.FILE_NAME)
-    env = _tenant_env(tmp_path, 30, 200)
-    tenants = [
-        subprocess.Popen(
-            [str(TENANT), "load", "100:2,100:2"], env=env, stdout=subprocess.PIPE, text=True
-        )
-        for _ in range(96)
-    ]
-    shares = [0.0, 0.0]
-    for tenant in tenants:
-        out, _ = tenant.communicate(timeout=90)
-        assert tenant.returncode == 0
-        for i, line in enumerate(out.splitlines()):
-            phase = json.loads(line)
-            shares[i] += 100 * phase["busy_ns"] / (phase["seconds"] * 1e9)
+    shares = _container_shares(tmp_path, 96, 2.0)
     assert 22 <= shares[1] <= 38, shares
