@@ -82,9 +82,11 @@ def test_a_launch_held_for_tokens_sleeps_once_and_wakes_when_its_share_is_raised
 ) -> None:
     """At a share of 0.5 % a 20 ms kernel earns its tokens in 4 s. The held
     launch sleeps until then (at most 1 s at a time) instead of waking every
-    10 ms, and is credited the whole wait (a refill clipped to 20 ms of the
-    rate made the gap 10 s); the arbiter raising the share wakes it at once,
-    to earn the rest at the new rate."""
+    10 ms; the arbiter raising the share wakes it at once, to earn the rest at
+    the new rate. (How long the gap is depends on the gain too: beside two CPU
+    spinners a first window over the limit cut it to 0.5 and the gap grew to
+    9.6 s, as long as a refill clipped to 20 ms made it; so the gap's length
+    is not checked here.)"""
     path = tmp_path / budget.FILE_NAME
     budget.ensure(path)
     allowed = {"centi": 50}
@@ -115,8 +117,6 @@ def test_a_launch_held_for_tokens_sleeps_once_and_wakes_when_its_share_is_raised
             if ("launched_ns" in line and gap_s > 0.8) or now > deadline:
                 break
         assert gap_s > 0.8, "the throttle never held a launch for long"
-        # credited for the whole wait: 4 s of earning, not 20 ms per refill
-        assert gap_s < 6.0, f"a launch waited {gap_s:.1f} s for 4 s worth of tokens"
         # one sleep per second of the wait and the controller's 20 periods,
         # not a wake-up every 10 ms
         assert rate < 60, f"{rate:.0f} wake-ups/s while a launch was held for tokens"
