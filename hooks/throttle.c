@@ -249,25 +249,16 @@ static double util_of(unsigned int d, unsigned int pid)
  * to far less than it used (100 greedy ones under a 30 % limit held about
  * 50 % of the card).  The card's own utilisation is not rounded per process:
  * its excess over the sum of every process's samples is what the small ones
- * lost, shared out by how many of them each container has.
+ * lost, shared out by how many of them each container has: `small` on the card
+ * (summing to `all`), `ours` of them in this container.
  */
-static double small_processes_lost(unsigned int d, const struct vgpu_pid *pids, int npids,
-                                   double all)
+static double small_processes_lost(unsigned int d, double all, int small, int ours)
 {
-    nvmlUtilization_t card;
+    nvmlUtilization_t card; /* read every period: each reading covers the time since the last */
     if (!vgpu_nvml.rates || vgpu_nvml.rates(nvml.devices[d], &card) != NVML_SUCCESS ||
-        (double)card.gpu <= all)
+        (double)card.gpu <= all || !ours)
         return 0;
-    int small = 0, ours = 0;
-    for (int i = 0; i < per_pid_count[d]; i++)
-        small += per_pid[d][i].util < 1;
-    for (int i = 0; i < npids; i++) { /* each host pid once (sorted) */
-        if (!pids[i].host_pid || (i && pids[i].host_pid == pids[i - 1].host_pid))
-            continue;
-        const struct pid_util *hit = sample_of(d, pids[i].host_pid);
-        ours += hit && hit->util < 1;
-    }
-    return small ? ((double)card.gpu - all) * ours / small : 0;
+    return ((double)card.gpu - all) * ours / small;
 }
 
 /*
@@ -309,10 +300,12 @@ static int device_util(unsigned int d, const struct vgpu_pid *pids, int npids, u
         }
     }
     double all = 0;
+    int small = 0, ours = 0; /* processes under 1 % of the card, and the container's */
     *out = (struct util){0, 0, 0};
     for (int i = 0; i < m; i++) {
         agg[i].util /= counts[i];
         all += agg[i].util;
+        small += agg[i].util < 1;
     }
     per_pid_count[d] = m;
     int known = 0;
@@ -320,10 +313,14 @@ static int device_util(unsigned int d, const struct vgpu_pid *pids, int npids, u
         if (!pids[i].host_pid || (i && pids[i].host_pid == pids[i - 1].host_pid))
             continue;
         known = 1;
-        out->container += util_of(d, pids[i].host_pid);
+        const struct pid_util *hit = sample_of(d, pids[i].host_pid);
+        if (hit) {
+            out->container += hit->util;
+            ours += hit->util < 1;
+        }
     }
     if (known) {
-        out->container += small_processes_lost(d, pids, npids, all);
+        out->container += small_processes_lost(d, all, small, ours);
         if (out->container > 100)
             out->container = 100;
     }
