@@ -34,8 +34,11 @@ RUN make -C hooks && test -f hooks/build/libvgpu.so
 
 # The vgpu wheel and wheels of all its dependencies, at the exact versions of
 # constraints.txt, so that the runtime stage installs from local files only.
+# constraints.txt goes along in /wheels: the runtime stage then needs one bind
+# mount, outside any directory it cleans.
 COPY . .
-RUN pip wheel --no-cache-dir --wheel-dir /wheels -c constraints.txt .
+RUN pip wheel --no-cache-dir --wheel-dir /wheels -c constraints.txt . \
+    && cp constraints.txt /wheels/constraints.txt
 
 # -------------------------------------------------------------- runtime stage
 FROM ${PYTHON_IMAGE}
@@ -56,10 +59,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # installs anything) and smoke-test the result without them: every third-party
 # module the daemon loads, and `vgpu demo` (mock cards, the kubelet simulator
 # and the real daemon over gRPC; about 5 s, no network), so that a broken
-# dependency set fails the build instead of the first node.
+# dependency set fails the build instead of the first node. Dropping pip does
+# not make the image smaller: pip lives in the base image's layer, and removing
+# it here only adds whiteouts (BENCHMARKS.md, "Image size by dependency").
+# Nothing this RUN removes may be a mount target of it (a bind mount cannot be
+# removed: buildah and BuildKit stop with "Device or resource busy"), so the
+# constraints come in /wheels, not in the /tmp that the last step empties
+# (tests/deploy/test_dockerfile.py checks this).
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    --mount=type=bind,from=build,source=/src/constraints.txt,target=/tmp/constraints.txt \
-    pip install --no-cache-dir --no-index --find-links=/wheels -c /tmp/constraints.txt vgpu \
+    pip install --no-cache-dir --no-index --find-links=/wheels -c /wheels/constraints.txt vgpu \
     && python -m pip uninstall --yes --no-cache-dir pip setuptools wheel \
     && rm -rf /root/.cache /usr/local/lib/python3.11/ensurepip \
     && python -c "import grpc, google.protobuf, kubernetes, pynvml, prometheus_client, yaml, psutil" \

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
+import shlex
 from pathlib import Path
 
 import yaml
@@ -14,11 +16,11 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 CONFIGMAP = ROOT / "deploy" / "03-configmap.yaml"
 
 
-def _instructions() -> list[tuple[str, str]]:
+def _instructions(text: str | None = None) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
     out: list[tuple[str, str]] = []
     pending = ""
-    for line in DOCKERFILE.read_text().splitlines():
+    for line in (DOCKERFILE.read_text() if text is None else text).splitlines():
         stripped = line.strip()
         if not pending and (not stripped or stripped.startswith("#")):
             continue
@@ -197,3 +199,83 @@ def test_runtime_drops_pip_and_caches_then_smoke_tests_the_dependencies() -> Non
     assert "vgpu demo" in runs
     # Smoke tests run after pip is gone: they prove the runtime needs none of it.
     assert runs.index("pip uninstall") < runs.index("import grpc") < runs.index("vgpu demo")
+
+
+# ------------------------------------------- mounts the same RUN cannot remove
+
+
+def _run_mount_targets(rest: str) -> tuple[list[str], str]:
+    """A RUN's --mount targets and the shell command after its flags."""
+    targets: list[str] = []
+    words = rest.split()
+    while words and words[0].startswith("--"):
+        flag = words.pop(0)
+        if flag.startswith("--mount="):
+            options = dict(
+                option.partition("=")[::2] for option in flag[len("--mount=") :].split(",")
+            )
+            target = options.get("target") or options.get("dst") or options.get("destination")
+            assert target, f"a --mount without a target: {flag}"
+            targets.append(target.rstrip("/") or "/")
+    return targets, " ".join(words)
+
+
+def _removed_paths(command: str) -> list[str]:
+    """Every path (or glob) that an `rm` in a shell command names."""
+    removed: list[str] = []
+    for step in re.split(r"&&|\|\||;", command):
+        words = shlex.split(step)
+        if words and words[0] == "rm":
+            removed += [word.rstrip("/") or "/" for word in words[1:] if not word.startswith("-")]
+    return removed
+
+
+def _covers(pattern: str, path: str) -> bool:
+    """True when removing `pattern` (a shell glob) removes `path` or a directory above it."""
+    pattern_parts = pattern.strip("/").split("/")
+    path_parts = path.strip("/").split("/")
+    if len(pattern_parts) > len(path_parts):
+        return False
+    return all(fnmatch.fnmatchcase(p, g) for p, g in zip(path_parts, pattern_parts, strict=False))
+
+
+def _removals_of_mount_targets(text: str) -> list[tuple[str, str]]:
+    """(removed glob, mount target) pairs where a RUN removes its own mount."""
+    found: list[tuple[str, str]] = []
+    for word, rest in _instructions(text):
+        if word != "RUN":
+            continue
+        targets, command = _run_mount_targets(rest)
+        found += [
+            (removed, target)
+            for removed in _removed_paths(command)
+            for target in targets
+            if _covers(removed, target)
+        ]
+    return found
+
+
+def test_no_run_removes_its_own_mount() -> None:
+    # A bind mount cannot be removed from inside the RUN that mounts it:
+    # buildah stops with "rm: cannot remove '/tmp/constraints.txt': Device or
+    # resource busy", and BuildKit fails the same way (issue 29).
+    assert _removals_of_mount_targets(DOCKERFILE.read_text()) == []
+
+
+def test_the_mount_check_sees_the_issue_29_dockerfile() -> None:
+    # The runtime RUN as it was when issue 29 found it: the check must refuse it.
+    broken = (
+        "FROM python:3.11-slim-bookworm\n"
+        "RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \\\n"
+        "    --mount=type=bind,from=build,source=/src/constraints.txt,"
+        "target=/tmp/constraints.txt \\\n"
+        "    pip install --no-index --find-links=/wheels -c /tmp/constraints.txt vgpu \\\n"
+        "    && rm -rf /tmp/* /root/.cache\n"
+    )
+    assert _removals_of_mount_targets(broken) == [("/tmp/*", "/tmp/constraints.txt")]
+    # Removing a directory above the target, or the target itself, is refused too;
+    # a sibling is not.
+    assert _covers("/tmp", "/tmp/constraints.txt")
+    assert _covers("/wheels", "/wheels")
+    assert not _covers("/tmp/vgpu-default.yaml", "/tmp/constraints.txt")
+    assert not _covers("/root/.cache", "/wheels")
