@@ -162,6 +162,8 @@ def _obj(properties: dict[str, Any], description: str = "", **extra: Any) -> dic
 STR = {"type": "string"}
 BOOL = {"type": "boolean"}
 PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+# A directory on the node: absolute, no trailing slash (the chart appends to it).
+ABSOLUTE_PATH = {"type": "string", "pattern": "^/([^/]+(/[^/]+)*)?$"}
 QUANTITY = {"type": ["string", "number"]}
 # User-chosen keys (label names, node labels): any key, string values.
 STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
@@ -251,6 +253,8 @@ def chart_schema() -> dict[str, Any]:
             "image": image,
             "imagePullSecrets": {"type": "array", "items": STR},
             "rbac": _obj({"create": BOOL}),
+            "kubeletRootDir": ABSOLUTE_PATH,
+            "kubeletDevicePluginDir": ABSOLUTE_PATH,
             "daemon": _obj(
                 {
                     **placement,
@@ -258,6 +262,7 @@ def chart_schema() -> dict[str, Any]:
                     "runtimeClassName": STR,
                     "resources": RESOURCES,
                     "metricsPort": PORT,
+                    "hostNetwork": BOOL,
                     "podAnnotations": STRING_MAP,
                     "config": _config_schema(),
                 }
@@ -279,6 +284,7 @@ def chart_schema() -> dict[str, Any]:
                                 }
                             ),
                             "verbosity": {"type": "integer", "minimum": 0},
+                            "securePort": PORT,
                             "resources": RESOURCES,
                         }
                     ),
@@ -294,6 +300,7 @@ def chart_schema() -> dict[str, Any]:
                             "resources": RESOURCES,
                         }
                     ),
+                    "hostNetwork": BOOL,
                     **placement,
                 }
             ),
@@ -302,6 +309,7 @@ def chart_schema() -> dict[str, Any]:
                     "enabled": {"type": ["boolean", "null"]},
                     "replicas": {"type": "integer", "minimum": 1},
                     "port": PORT,
+                    "hostNetwork": BOOL,
                     "failurePolicy": {"enum": ["Fail", "Ignore"]},
                     "timeoutSeconds": {"type": "integer", "minimum": 1, "maximum": 30},
                     "mutate": BOOL,

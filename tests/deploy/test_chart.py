@@ -76,6 +76,16 @@ COMBOS = [
 COMBOS.append(
     {"webhook": {"certManager": {"enabled": True}, "tlsSans": ["gpu.example", "10.0.0.7"]}}
 )
+# A kubelet with another root directory, every component on the host network.
+K0S_ROOT = "/var/lib/k0s/kubelet"
+HOST_NETWORK = {
+    "kubeletRootDir": K0S_ROOT,
+    "daemon": {"hostNetwork": True},
+    "scheduler": {"hostNetwork": True, "kubeScheduler": {"securePort": 10269}},
+    "webhook": {"hostNetwork": True, "port": 9443},
+}
+COMBOS.append(HOST_NETWORK)
+COMBOS.append({"mode": "dra", "kubeletRootDir": K0S_ROOT, "daemon": {"hostNetwork": True}})
 COMBO_IDS = [json.dumps(c, separators=(",", ":")) for c in COMBOS]
 RENDERED = {cid: render(c) for cid, c in zip(COMBO_IDS, COMBOS, strict=True)}
 
@@ -151,7 +161,9 @@ def test_every_combination_renders_valid_objects(combo: str) -> None:
             _VALID.add(key)
     # What is rendered follows the switches.
     scheduler = (
-        not dra and values["scheduler"]["enabled"] is not False if "scheduler" in values else True
+        not dra and values["scheduler"].get("enabled") is not False
+        if "scheduler" in values
+        else not dra
     )
     webhook = not dra and values["webhook"].get("enabled") is not False
     assert ("Deployment" in kinds(objects)) == (scheduler or webhook)
@@ -441,6 +453,11 @@ BAD_VALUES = [
     ({"hookInjection": "preload"}, "hookInjection"),
     ({"scheduler": {"extender": {"nodeChoice": "kube"}}}, "nodeChoice"),
     ({"image": {"repo": "x"}}, "repo"),
+    ({"kubeletRootDir": "var/lib/kubelet"}, "kubeletRootDir"),
+    ({"kubeletRootDir": "/var/lib/kubelet/"}, "kubeletRootDir"),
+    ({"kubeletDevicePluginDir": ""}, "kubeletDevicePluginDir"),
+    ({"webhook": {"hostNetwork": "yes"}}, "hostNetwork"),
+    ({"scheduler": {"kubeScheduler": {"securePort": 0}}}, "securePort"),
 ]
 
 
@@ -724,7 +741,10 @@ def test_the_leader_election_lease_belongs_to_the_release() -> None:
         ("mode", "dra", "mode"),
         ("hook_injection", "env", "hookInjection"),
         ("state_dir", "/data/vgpu", "mounts this path"),
-        ("device_plugin_dir", "/k/device-plugins", "mounts this path"),
+        ("device_plugin_dir", "/k/device-plugins", "kubeletDevicePluginDir"),
+        ("pod_resources_socket", "/k/pod-resources/kubelet.sock", "kubeletRootDir"),
+        ("kubelet_registry_dir", "/k/plugins_registry", "kubeletRootDir"),
+        ("kubelet_plugin_dir", "/k/plugins/vgpu.vendor.io", "kubeletRootDir"),
     ],
 )
 def test_config_keys_the_chart_owns_are_refused_with_the_value_to_use(
@@ -746,8 +766,13 @@ def test_every_workload_keeps_the_narrow_security_settings(combo: str) -> None:
             continue
         spec = obj["spec"]["template"]["spec"]
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-        for key in ("hostNetwork", "hostPID", "hostIPC"):
+        for key in ("hostPID", "hostIPC"):
             assert not spec.get(key), (obj["metadata"]["name"], key)
+        # The host network only where a value asks for it (HOST_NETWORK).
+        asked = any(
+            part.get("hostNetwork") for part in json.loads(combo).values() if isinstance(part, dict)
+        )
+        assert not spec.get("hostNetwork") or asked, obj["metadata"]["name"]
         if obj["kind"] == "Deployment":  # only the node daemon needs root (kubelet's files)
             assert spec["securityContext"]["runAsNonRoot"] is True
         for container in spec["containers"]:
@@ -846,3 +871,155 @@ def test_service_monitor_follows_the_clusters_api_versions() -> None:
     assert "kind: ServiceMonitor" not in _render_with_api_versions(
         off, ["monitoring.coreos.com/v1"]
     )
+
+
+# ------------------------------------------- the kubelet's directories
+
+
+def _daemon_paths(objects: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, str]]:
+    """The DaemonSet's hostPaths and mountPaths by volume name."""
+    spec = one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    host = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    mounted = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    return host, mounted
+
+
+def _daemon_settings(objects: list[dict[str, Any]], tmp_path: Path) -> config.Settings:
+    path = tmp_path / "config.yaml"
+    path.write_text(one(objects, "ConfigMap", "vgpu-config")["data"]["config.yaml"])
+    return config.load({}, {}, path)
+
+
+@pytest.mark.parametrize("root", ["/var/lib/kubelet", K0S_ROOT])
+def test_kubelet_root_dir_moves_pod_resources_in_device_plugin_mode(
+    root: str, tmp_path: Path
+) -> None:
+    objects = render({"kubeletRootDir": root})
+    host, mounted = _daemon_paths(objects)
+    # The hostPath, the mount and the daemon's config name the same path.
+    assert host["pod-resources"] == mounted["pod-resources"] == f"{root}/pod-resources"
+    settings = _daemon_settings(objects, tmp_path)
+    assert settings.pod_resources_socket == Path(f"{root}/pod-resources/kubelet.sock")
+    # The device manager's directory is the kubelet's fixed path, not under the root dir.
+    assert host["device-plugins"] == mounted["device-plugins"] == "/var/lib/kubelet/device-plugins"
+    assert settings.device_plugin_dir == Path("/var/lib/kubelet/device-plugins")
+    if root != "/var/lib/kubelet":
+        moved = [p for p in host.values() if p.startswith("/var/lib/kubelet/")]
+        assert moved == ["/var/lib/kubelet/device-plugins"], host
+
+
+@pytest.mark.parametrize("root", ["/var/lib/kubelet", K0S_ROOT])
+def test_kubelet_root_dir_moves_the_dra_directories(root: str, tmp_path: Path) -> None:
+    objects = render({"mode": "dra", "kubeletRootDir": root, "resourceDomain": "gpu.example.com"})
+    host, mounted = _daemon_paths(objects)
+    registry, plugin = f"{root}/plugins_registry", f"{root}/plugins/vgpu.gpu.example.com"
+    assert host["plugins-registry"] == mounted["plugins-registry"] == registry
+    # The kubelet dials the socket the registration names: the path inside the
+    # container must be the host's.
+    assert host["plugin-dir"] == mounted["plugin-dir"] == plugin
+    settings = _daemon_settings(objects, tmp_path)
+    assert settings.kubelet_registry_dir == Path(registry)
+    assert settings.dra_plugin_dir() == Path(plugin)
+    assert not any(p.startswith("/var/lib/kubelet/") for p in host.values()) or root == (
+        "/var/lib/kubelet"
+    )
+
+
+def test_device_plugin_dir_has_its_own_value(tmp_path: Path) -> None:
+    objects = render({"kubeletRootDir": K0S_ROOT, "kubeletDevicePluginDir": "/opt/kubelet/dp"})
+    host, mounted = _daemon_paths(objects)
+    assert host["device-plugins"] == mounted["device-plugins"] == "/opt/kubelet/dp"
+    assert _daemon_settings(objects, tmp_path).device_plugin_dir == Path("/opt/kubelet/dp")
+    assert host["pod-resources"] == f"{K0S_ROOT}/pod-resources"
+
+
+# ------------------------------------------------------ host network, ports
+
+
+def _pod_spec(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    spec: dict[str, Any] = one(objects, kind, name)["spec"]["template"]["spec"]
+    return spec
+
+
+WORKLOADS = [
+    ("daemon", "DaemonSet", "vgpu"),
+    ("scheduler", "Deployment", "vgpu-scheduler"),
+    ("webhook", "Deployment", "vgpu-webhook"),
+]
+
+
+def test_no_workload_is_on_the_host_network_by_default() -> None:
+    objects = render({})
+    for _, kind, name in WORKLOADS:
+        spec = _pod_spec(objects, kind, name)
+        assert "hostNetwork" not in spec and "dnsPolicy" not in spec, name
+
+
+@pytest.mark.parametrize(("component", "kind", "name"), WORKLOADS, ids=[w[0] for w in WORKLOADS])
+def test_host_network_is_per_component_with_its_dns_policy(
+    component: str, kind: str, name: str
+) -> None:
+    objects = render({component: {"hostNetwork": True}})
+    for _, other_kind, other in WORKLOADS:
+        spec = _pod_spec(objects, other_kind, other)
+        if other == name:
+            assert spec["hostNetwork"] is True
+            # Without it a host-network pod resolves with the node's resolv.conf
+            # and loses the cluster's Service names.
+            assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+        else:
+            assert "hostNetwork" not in spec and "dnsPolicy" not in spec, other
+
+
+def test_ports_reach_every_component() -> None:
+    objects = render(
+        {
+            **HOST_NETWORK,
+            "daemon": {"hostNetwork": True, "metricsPort": 19400},
+            "scheduler": {
+                "hostNetwork": True,
+                "kubeScheduler": {"securePort": 10269},
+                "extender": {"port": 18888, "metricsPort": 19401},
+            },
+        }
+    )
+    daemon = _pod_spec(objects, "DaemonSet", "vgpu")["containers"][0]
+    assert daemon["ports"] == [{"name": "metrics", "containerPort": 19400, "protocol": "TCP"}]
+    cm = yaml.safe_load(one(objects, "ConfigMap", "vgpu-config")["data"]["config.yaml"])
+    assert cm["metrics_address"] == "0.0.0.0:19400"
+
+    webhook = _pod_spec(objects, "Deployment", "vgpu-webhook")["containers"][0]
+    assert "--listen=0.0.0.0:9443" in webhook["args"]
+    assert webhook["ports"] == [{"name": "https", "containerPort": 9443, "protocol": "TCP"}]
+    service = one(objects, "Service", "vgpu-webhook")["spec"]["ports"]
+    assert service == [{"name": "https", "port": 443, "targetPort": "https", "protocol": "TCP"}]
+
+    containers = {
+        c["name"]: c for c in _pod_spec(objects, "Deployment", "vgpu-scheduler")["containers"]
+    }
+    ks = containers["kube-scheduler"]
+    assert "--secure-port=10269" in ks["command"]
+    assert ks["ports"] == [{"name": "https", "containerPort": 10269, "protocol": "TCP"}]
+    assert ks["livenessProbe"]["httpGet"]["port"] == "https"
+    assert ks["readinessProbe"]["httpGet"]["port"] == "https"
+    # On the host network the extender's loopback port is declared too, so that
+    # two replicas never share a node's port.
+    assert {p["name"]: p["containerPort"] for p in containers["extender"]["ports"]} == {
+        "metrics": 19401,
+        "extender": 18888,
+    }
+    data = one(objects, "ConfigMap", "vgpu-scheduler-config")["data"]
+    assert yaml.safe_load(data["extender.yaml"])["listen"] == "127.0.0.1:18888"
+    assert yaml.safe_load(data["extender.yaml"])["metrics_address"] == "0.0.0.0:19401"
+    ksc = yaml.safe_load(data["scheduler-config.yaml"])
+    assert ksc["extenders"][0]["urlPrefix"] == "http://127.0.0.1:18888"
+
+
+def test_config_comment_says_where_metrics_listen() -> None:
+    def comment(values: dict[str, Any]) -> str:
+        docs: list[str] = render_module.render(values, "vgpu", NS)
+        return next(d for d in docs if "name: vgpu-config\n" in d)
+
+    assert "(no hostNetwork)" in comment({})
+    on = comment({"daemon": {"hostNetwork": True}})
+    assert "(no hostNetwork)" not in on and "every address of the node" in on

@@ -121,3 +121,34 @@ rules:
     resources: ["pods"]
     scope: Namespaced
 {{- end -}}
+
+{{/* The kubelet's directories on the host, which the daemon also names in its
+config (each is mounted at the same path inside the container). The
+pod-resources socket, plugins_registry/ and plugins/ (DRA) live under the
+kubelet's --root-dir; the device-plugin directory does not (see values.yaml). */}}
+{{- define "vgpu.kubeletRootDir" -}}
+{{- .Values.kubeletRootDir | trimSuffix "/" -}}
+{{- end -}}
+{{- define "vgpu.devicePluginDir" -}}
+{{- .Values.kubeletDevicePluginDir | trimSuffix "/" -}}
+{{- end -}}
+{{- define "vgpu.podResourcesDir" -}}
+{{- include "vgpu.kubeletRootDir" . }}/pod-resources
+{{- end -}}
+{{- define "vgpu.pluginsRegistryDir" -}}
+{{- include "vgpu.kubeletRootDir" . }}/plugins_registry
+{{- end -}}
+{{- define "vgpu.draPluginDir" -}}
+{{- include "vgpu.kubeletRootDir" . }}/plugins/vgpu.{{ .Values.resourceDomain }}
+{{- end -}}
+
+{{/* hostNetwork and its DNS policy, for a pod spec whose component sets hostNetwork. */}}
+{{- define "vgpu.hostNetwork" -}}
+# On the node's network (value hostNetwork): reachable where the control plane
+# cannot reach pod IPs. Each containerPort is then a host port, so the
+# scheduler places no two such pods on one node. ClusterFirstWithHostNet keeps
+# cluster DNS names resolving. Most network plugins apply no NetworkPolicy to
+# such pods.
+hostNetwork: true
+dnsPolicy: ClusterFirstWithHostNet
+{{- end -}}
