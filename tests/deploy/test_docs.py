@@ -4,6 +4,7 @@ exactly what .ci/run runs."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import shlex
 from pathlib import Path
@@ -147,3 +148,81 @@ def test_readme_stays_short_and_points_at_every_docs_page() -> None:
     assert len(readme.splitlines()) <= 200
     for page in (ROOT / "docs").glob("*.md"):
         assert f"docs/{page.name}" in readme, f"README does not link docs/{page.name}"
+
+
+# ------------------------------------------- Helm commands in the docs
+
+
+def _helm_commands(page: Path) -> list[list[str]]:
+    """Every `helm install|upgrade|template` command line in the page's shell blocks."""
+    found: list[list[str]] = []
+    in_code, pending = False, ""
+    for line in page.read_text().splitlines():
+        if FENCE.match(line.strip()):
+            in_code, pending = not in_code, ""
+            continue
+        if not in_code:
+            continue
+        text = pending + line.strip()
+        if text.endswith("\\"):
+            pending = text[:-1] + " "
+            continue
+        pending = ""
+        for words in _commands_of(text):
+            if words[:1] == ["helm"] and words[1:2] in (["install"], ["upgrade"], ["template"]):
+                found.append(words)
+    return found
+
+
+def _set_values(words: list[str]) -> dict[str, object]:
+    """The values a helm command's --set flags give, nested and typed as Helm does
+    (true/false become booleans, digits integers, everything else a string)."""
+    values: dict[str, object] = {}
+    for flag, arg in itertools.pairwise(words):
+        if flag != "--set":
+            continue
+        key, _, text = arg.partition("=")
+        value: object = {"true": True, "false": False}.get(text, text)
+        if text.isdigit():
+            value = int(text)
+        node = values
+        *parents, leaf = key.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            assert isinstance(child, dict), key
+            node = child
+        node[leaf] = value
+    return values
+
+
+def test_try_without_gpus_installs_the_mock_backend_with_helm(tmp_path: Path) -> None:
+    # The page's Helm commands render with the real chart into a daemon config
+    # that loads and selects the mock backend; nothing there tells a Helm user
+    # to edit the release's ConfigMap (the next helm upgrade would undo it).
+    import importlib.util
+
+    import yaml
+
+    from vgpu import config
+
+    spec = importlib.util.spec_from_file_location("render_for_docs", ROOT / "deploy" / "render.py")
+    assert spec and spec.loader
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+
+    page = ROOT / "docs" / "try-without-gpus.md"
+    commands = _helm_commands(page)
+    assert [c[1] for c in commands][:1] == ["install"], commands
+    rendered = 0
+    for words in commands:
+        if "--reuse-values" in words:
+            continue  # an upgrade of the install above
+        docs = [yaml.safe_load(d) for d in render.render(_set_values(words))]
+        (cm,) = [o for o in docs if o["metadata"]["name"] == "vgpu-config"]
+        path = tmp_path / "config.yaml"
+        path.write_text(cm["data"]["config.yaml"])
+        settings = config.load({}, {}, path)
+        assert (str(settings.backend), str(settings.mock_gpus)) == ("mock", "preset:2xH200")
+        rendered += 1
+    assert rendered == 2  # helm install and helm template
+    assert "edit cm" not in page.read_text()
