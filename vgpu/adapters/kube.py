@@ -67,6 +67,12 @@ class PodSource(Protocol):
         """The pod's UID if cached, else ''."""
         ...
 
+    def alive(self) -> frozenset[str] | None:
+        """UIDs and `namespace/name`s of the pods the API server shows bound to
+        this node and not terminated (deleting ones included: their containers
+        may still run); None while the cache is not synced (nothing is known)."""
+        ...
+
     def running(self) -> list[ContainerSpec]:
         """Containers of this node's Running pods that ask for our resources."""
         ...
@@ -99,6 +105,9 @@ class NoPods:
 
     def uid_of(self, namespace: str, pod: str) -> str:
         return ""
+
+    def alive(self) -> frozenset[str] | None:
+        return None
 
     def running(self) -> list[ContainerSpec]:
         return []
@@ -364,6 +373,16 @@ class KubePodCache:
                 if meta.get("namespace") == namespace and meta.get("name") == pod:
                     return uid
         return ""
+
+    def alive(self) -> frozenset[str] | None:
+        if not self._synced:
+            return None
+        with self._cond:
+            out = set(self._pods)
+            for obj in self._pods.values():
+                meta = obj.get("metadata") or {}
+                out.add(f"{meta.get('namespace', '')}/{meta.get('name', '')}")
+        return frozenset(out)
 
     # ------------------------------------------------------------ writes
 

@@ -6,6 +6,8 @@ so it is the truth for recovery and for learning who owns a placement.
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,19 @@ class PodResourcesClient:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self._channel: grpc.Channel | None = None
+        # (inode, ctime ns) of the socket the last answer came from: a new
+        # kubelet re-creates the socket, so a change means it restarted.
+        self.last_identity: tuple[int, int] | None = None
+
+    def identity(self) -> tuple[int, int] | None:
+        """(inode, change time in ns) of the socket file; None when it is not a socket."""
+        try:
+            st = os.stat(self.socket_path)
+        except OSError:
+            return None
+        if not stat.S_ISSOCK(st.st_mode):
+            return None
+        return (st.st_ino, st.st_ctime_ns)
 
     def _stub(self) -> pr_grpc.PodResourcesListerStub:
         if self._channel is None:
@@ -66,8 +81,12 @@ class PodResourcesClient:
         return self.socket_path.exists()
 
     def _list(self) -> pr.ListPodResourcesResponse:
-        if not self.available():
+        identity = self.identity()
+        if identity is None:
             raise PodResourcesUnavailable(f"{self.socket_path} does not exist")
+        if identity != self.last_identity and self._channel is not None:
+            self.close()  # a new kubelet: dial its socket afresh
+        self.last_identity = identity
         try:
             reply: pr.ListPodResourcesResponse = self._stub().List(
                 pr.ListPodResourcesRequest(), timeout=self.timeout_s

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from vgpu.core import fit
@@ -81,6 +81,10 @@ class _Pending:
     key: str | None = None  # set by the first Allocate
     allocated: set[Resource] = field(default_factory=set)
     assigned: tuple[CardUuid, ...] | None = None  # steered by the extender's assignment
+    # The spec was the oldest of several pending containers asking this many
+    # units and different other requests: a guess. Its other request is not
+    # handed out until the kubelet's record names the container (issue 28).
+    guessed: bool = False
 
 
 def _short(ids: Iterable[str]) -> str:
@@ -292,6 +296,7 @@ class Ledger:
         live_ids: Collection[DeviceId],
         now_s: float,
         gone_pods: Collection[str] = (),
+        may_release: Callable[[Placement], bool] | None = None,
     ) -> list[Placement]:
         """Release placements the kubelet no longer lists (pod deleted or finished).
 
@@ -301,7 +306,9 @@ class Ledger:
         the grace period (its other resource may follow). A placement the
         kubelet has not listed yet is kept for the grace period
         (the kubelet records an allocation only after our answer reached it),
-        unless its pod is gone; one it listed before is released at once.
+        unless its pod is gone. Any other unlisted placement is released when
+        `may_release` agrees (the daemon's rules of vgpu.core.release: no
+        kubelet restart under way, two sightings, the API server agrees).
         """
         released = []
         live = frozenset(live_ids)
@@ -316,6 +323,8 @@ class Ledger:
                 continue
             owner_gone = placement.owner is not None and placement.owner.pod_uid in gone
             if young and key not in self._settled and not owner_gone:
+                continue
+            if may_release is not None and not may_release(placement):
                 continue
             self.release(key)
             released.append(placement)
@@ -395,13 +404,7 @@ class Ledger:
         # Containers that already hold a placement (claims are not persisted:
         # after a restart the owners in the recovered records tell), by UID, or
         # by name for owners adopted before the pod cache knew the UID.
-        owned: set[tuple[str, ...]] = set()
-        for placement in self.placements.values():
-            o = placement.owner
-            if o is not None:
-                owned.add(
-                    (o.pod_uid, o.container) if o.pod_uid else (o.namespace, o.pod, o.container)
-                )
+        owned = self._owned()
         for spec in candidates:
             if spec.ident in self._claimed or spec.ident in owned:
                 continue
@@ -410,6 +413,36 @@ class Ledger:
             if spec.request.units(resource) == size:
                 return spec
         return None
+
+    def _ambiguous(
+        self,
+        resource: Resource,
+        size: int,
+        spec: ContainerSpec,
+        candidates: Sequence[ContainerSpec],
+    ) -> bool:
+        """Would another unplaced container, asking the same `size` of `resource`
+        but something else of the other resource, fit this call as well?"""
+        owned = self._owned()
+        return any(
+            other.ident != spec.ident
+            and other.ident not in self._claimed
+            and other.ident not in owned
+            and (other.namespace, other.pod, other.container) not in owned
+            and other.request.units(resource) == size
+            and other.request != spec.request
+            for other in candidates
+        )
+
+    def _owned(self) -> set[tuple[str, ...]]:
+        owned: set[tuple[str, ...]] = set()
+        for placement in self.placements.values():
+            o = placement.owner
+            if o is not None:
+                owned.add(
+                    (o.pod_uid, o.container) if o.pod_uid else (o.namespace, o.pod, o.container)
+                )
+        return owned
 
     def _ids_on(
         self,
@@ -516,6 +549,7 @@ class Ledger:
             spec=spec,
             steered={resource},
             assigned=assigned,
+            guessed=spec is not None and self._ambiguous(resource, size, spec, candidates),
         )
         if (
             spec is not None
@@ -618,13 +652,16 @@ class Ledger:
 
     def _attach(self, pending: _Pending, spec: ContainerSpec) -> None:
         """The in-flight container turns out to be `spec`: adopt its request and owner."""
+        if pending.spec is not None and pending.spec.ident != spec.ident:
+            self._claimed.discard(pending.spec.ident)  # the guess was wrong
         pending.spec = spec
         pending.request = spec.request
         pending.expected = spec.request.resources
+        pending.guessed = False
         self._claimed.add(spec.ident)
         if pending.key is not None and pending.key in self.placements:
             placement = self.placements[pending.key]
-            if placement.owner is None:
+            if placement.owner is None or placement.owner.pod_uid != spec.pod_uid:
                 self.placements[pending.key] = replace(placement, owner=spec.owner())
 
     def awaits_more(self, key: str) -> bool:
@@ -646,9 +683,12 @@ class Ledger:
         return pending.key
 
     def unattributed_pending(self) -> frozenset[DeviceId]:
-        """IDs already allocated to an in-flight container we have no pod for."""
+        """IDs already allocated to an in-flight container we have no pod for,
+        or only a guessed one."""
         pending = self._pending
-        if pending is None or pending.spec is not None or pending.key is None:
+        if pending is None or pending.key is None:
+            return frozenset()
+        if pending.spec is not None and not pending.guessed:
             return frozenset()
         placement = self.placements.get(pending.key)
         return placement.all_ids() if placement is not None else frozenset()
@@ -658,7 +698,7 @@ class Ledger:
     ) -> None:
         """The kubelet says who holds the in-flight IDs: take that container's spec."""
         pending = self._pending
-        if pending is None or pending.spec is not None:
+        if pending is None or (pending.spec is not None and not pending.guessed):
             return
         for spec in candidates:
             if (spec.namespace, spec.pod, spec.container) == (namespace, pod, container):
@@ -903,15 +943,19 @@ class Ledger:
             other_core, other_mem = placement.core_percent, None
         else:
             # The container's first resource: the other's limit comes from its
-            # pod spec when known, so both Allocate answers say the same.
-            request = pending.request if pending is not None else Request()
+            # pod spec when known, so both Allocate answers say the same. A
+            # guessed spec's never: the answer says what the kubelet allocated.
+            known_spec = pending is not None and pending.spec is not None and not pending.guessed
+            request = pending.request if pending is not None and known_spec else Request()
             placement = Placement(
                 key=self._fresh_key(ids),
                 cards=cards,
                 ids={resource: ids},
                 core_percent=0,
                 memory_mib=0,
-                owner=pending.spec.owner() if pending is not None and pending.spec else None,
+                owner=pending.spec.owner()
+                if pending is not None and known_spec and pending.spec
+                else None,
                 created_s=now_s,
             )
             other_core, other_mem = request.core_percent, request.memory_units

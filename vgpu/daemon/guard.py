@@ -7,7 +7,9 @@ by a kubelet that never called Allocate, and runs without limits. Each gets a
 Warning Event on its pod and counts in vgpu_events_total
 {kind="unallocated_container"}; with unallocated_policy evict its pod is
 evicted through the Eviction API. A container is judged on two checks in a
-row, so a pod cache a moment behind the kubelet condemns no one.
+row, so a pod cache a moment behind the kubelet condemns no one, and none
+while the kubelet restarts (its List is empty or partial for a moment: the
+release hold of vgpu.core.release).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class UnallocatedGuard:
         sink: GuardSink,
         policy: str = "warn",
         events: Callable[[str, dict[str, Any]], None] | None = None,
+        holding: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.domain = domain
         self.pods = pods
@@ -52,13 +55,15 @@ class UnallocatedGuard:
         self.sink = sink
         self.policy = policy
         self.events = events or (lambda kind, fields: None)
+        self.holding = holding
         self._suspects: set[tuple[str, str]] = set()  # seen once: (pod uid, container)
         self._reported: set[tuple[str, str]] = set()
         self._evicted: set[str] = set()
 
     def check(self) -> list[Escapee]:
         """One comparison; returns the containers acted on now."""
-        if not self.pods.synced():
+        if not self.pods.synced() or self.holding() is not None:
+            self._suspects.clear()  # judged again on two checks once it is over
             return []
         running = self.pods.running()  # first: a container running now was allocated before
         if not running:

@@ -47,6 +47,7 @@ from vgpu.core.model import (
     Resource,
 )
 from vgpu.core.packing import Ledger, placement_key
+from vgpu.core.release import ReleaseGate
 from vgpu.core.reuse import Holder, KubeletListing, judge_holder
 
 log = logging.getLogger("vgpu")
@@ -66,6 +67,9 @@ class ServiceOptions:
     hook_path: Path | None = None  # installed library on the host
     context_overhead_mib: int = 0  # per-card context estimate passed to the hook
     hook_injection: str = "ld-so-preload"  # also mount /etc/ld.so.preload (or "env" only)
+    # How long the kubelet's answers must be stable after its (re)start before
+    # anything is released: one reconcile period (vgpu.core.release).
+    settle_s: float = 10.0
 
 
 def install_or_refuse(installer: Callable[[], Path], where: str | None = None) -> Path:
@@ -139,6 +143,15 @@ class PluginService:
         self._legacy_published = 0  # ledger.legacy_version the device lists show
         # (key, resources answered, answer) of the last container: _deduplicated().
         self._last_answer: tuple[str, frozenset[Resource], AllocationAnswer] | None = None
+        # When a placement may be released (vgpu.core.release); monotonic times.
+        self.release_gate = ReleaseGate(settle_s=options.settle_s)
+        self._podres_identity: tuple[int, int] | None = None
+        self._podres_answered = False  # has the kubelet's List ever answered?
+        self._hold_logged = ""
+        self._followup_timer: threading.Timer | None = None
+        # Is the daemon registered with the kubelet running now? The composition
+        # root sets it (the kubelet.sock it registered with is the one there now).
+        self.registered_now: Callable[[], bool] = lambda: True
 
     def _republish_if_legacy_changed(self) -> None:
         """A slice held under a legacy ID was released (or one arrived): the
@@ -274,8 +287,9 @@ class PluginService:
     def close(self) -> None:
         """Shutdown: no more owner syncs; every ListAndWatch stream re-checks at once."""
         self._closed = True
-        timer = self._owner_timer
-        if timer is not None:
+        for timer in (self._owner_timer, self._followup_timer):
+            if timer is None:
+                continue
             timer.cancel()
             if timer.is_alive() and timer is not threading.current_thread():
                 timer.join(2.0)  # a reconcile under way: let it finish its RPC
@@ -361,6 +375,7 @@ class PluginService:
         self, resource: Resource, req: PreferredRequest, deadline: float
     ) -> list[str]:
         candidates = self._candidates(resource, req.size, deadline)
+        self._attribute_in_flight(candidates)
         blind = self._blind_pairing()
         for attempt in (1, 2):
             try:
@@ -386,9 +401,11 @@ class PluginService:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _attribute_in_flight(self, candidates: list[Any]) -> None:
-        """An in-flight container placed without pod information: ask the kubelet
-        (local pod-resources, only in this case) which container holds its IDs,
-        so its second resource is paired by fact rather than by guess."""
+        """An in-flight container placed without pod information, or matched to
+        one of several pods asking the same: ask the kubelet (local pod-resources,
+        only in this case) which container holds its IDs, so that its second
+        resource is paired, and its limits and owner taken, by fact rather than
+        by guess. The kubelet lists a container from its first Allocate on."""
         with self._lock:
             held = self.ledger.unattributed_pending()
         if not held or not candidates or self.podresources is None:
@@ -513,18 +530,31 @@ class PluginService:
             except PodResourcesUnavailable as exc:
                 log.warning("pod-resources API unavailable (%s) while judging held IDs", exc)
         reused: set[str] = set()
+        alive = self.pods.alive() if self.pods.enabled else None
         with self._lock:
             gone = self._gone_pods()
+            held = self.release_gate.holding(time.monotonic(), self.registered_now())
             for key in holders:
                 placement = self.ledger.placements.get(key)
                 if placement is None:
                     continue
+                pod_gone = placement.owner is not None and placement.owner.pod_uid in gone
                 verdict, why = judge_holder(
                     placement,
                     settled=self.ledger.is_settled(key),
                     listing=listing,
-                    pod_gone=placement.owner is not None and placement.owner.pod_uid in gone,
+                    pod_gone=pod_gone,
                 )
+                if verdict is Holder.DEAD and not pod_gone:
+                    # The kubelet's word alone never releases while it restarts,
+                    # nor a pod the API server shows running here.
+                    if held is not None:
+                        verdict, why = Holder.UNKNOWN, f"{why}, but releases are held: {held}"
+                    elif alive is not None and _owner_alive(placement.owner, alive):
+                        verdict, why = (
+                            Holder.UNKNOWN,
+                            f"{why}, but the API server shows its pod running on this node",
+                        )
                 if verdict is Holder.REUSED:
                     reused.add(key)
                     log.info(
@@ -694,13 +724,71 @@ class PluginService:
         self._owner_timer = timer
         timer.start()
 
+    def kubelet_restarted(self, why: str, reregister: bool = True) -> None:
+        """A kubelet (re)start was noticed (by any path): hold every release until
+        the daemon is registered with the new kubelet and its answers are stable
+        for one settle period (vgpu.core.release)."""
+        with self._lock:
+            began = self.release_gate.restart(time.monotonic(), why, reregister)
+        if began:
+            log.warning(
+                "kubelet restart noticed (%s): no placement is released until vgpu is "
+                "registered with it and its pod-resources answers are stable for %.0f s",
+                why,
+                self.options.settle_s,
+            )
+            self.events("kubelet_restart", {"why": why})
+
+    def plugin_registered(self) -> None:
+        """The composition root registered both resources with the kubelet."""
+        with self._lock:
+            self.release_gate.note_registered(time.monotonic())
+
+    def holding_releases(self) -> str | None:
+        """Why releases are held now (a kubelet restart), or None."""
+        with self._lock:
+            return self.release_gate.holding(time.monotonic(), self.registered_now())
+
+    def _note_podres_socket(self) -> None:
+        """The socket the last List answered on: a new one means a new kubelet;
+        the first one seen, if created less than a settle period ago, too."""
+        assert self.podresources is not None
+        identity = self.podresources.last_identity
+        before, self._podres_identity = self._podres_identity, identity
+        if identity is None or identity == before:
+            return
+        if before is not None:
+            self.kubelet_restarted("the kubelet's pod-resources socket was re-created")
+            return
+        age_s = time.time() - identity[1] / 1e9
+        if age_s < self.options.settle_s:
+            self.kubelet_restarted(
+                f"the kubelet started {max(age_s, 0.0):.1f} s ago", reregister=False
+            )
+
+    def _schedule_followup(self) -> None:
+        """A placement awaits its second sighting: look again after the grace."""
+        if self._closed:
+            return
+        timer = self._followup_timer
+        if timer is not None and timer.is_alive():
+            return
+        timer = threading.Timer(
+            self.release_gate.grace_s + 0.05, self.reconcile, args=("second sighting",)
+        )
+        timer.daemon = True
+        self._followup_timer = timer
+        timer.start()
+
     def reconcile(self, reason: str) -> int:
         """Re-check every placement against the kubelet's pod-resources record.
 
         Releases placements of pods that are gone, adopts live allocations we
         have no record of, learns owners, and removes orphaned directories.
-        Returns the number of placements released (-1 when the kubelet cannot
-        be asked).
+        A release needs what vgpu.core.release says: no kubelet restart under
+        way, two agreeing sightings, and an API server that does not show the
+        pod running here. Returns the number of placements released (-1 when
+        the kubelet cannot be asked).
         """
         if self.podresources is None:
             return -1
@@ -709,6 +797,13 @@ class PluginService:
             listing = self.podresources.list(set(names))
         except PodResourcesUnavailable as exc:
             self._podres_error = str(exc)
+            with self._lock:
+                self.release_gate.list_failed(time.monotonic())
+            if self._podres_answered:
+                # It answered before: the kubelet is stopping or restarting.
+                self.kubelet_restarted(
+                    f"the kubelet's pod-resources API stopped answering: {exc}", reregister=False
+                )
             if not self._podres_warned:
                 log.warning(
                     "pod-resources API unavailable (%s); finished pods are noticed "
@@ -718,6 +813,8 @@ class PluginService:
                 self._podres_warned = True
             return -1
         self._podres_warned = False
+        self._podres_answered = True
+        self._note_podres_socket()
         by_container: dict[tuple[str, str, str], dict[Resource, set[DeviceId]]] = {}
         live: set[DeviceId] = set()
         for item in listing:
@@ -727,25 +824,53 @@ class PluginService:
             slot.setdefault(names[item.resource], set()).update(listed)
         released_count = 0
         annotate: dict[tuple[str, str], None] = {}
+        alive = self.pods.alive() if self.pods.enabled else None
         with self._lock:
+            now = time.monotonic()
+            registered = self.registered_now()
+            gate = self.release_gate
+            gate.listed(now, by_container, registered)
+            held = gate.holding(now, registered)
+            if (held or "") != self._hold_logged:
+                if held:
+                    log.info("releases held: %s", held)
+                else:
+                    log.info("releases resume: the kubelet answers steadily again")
+                self._hold_logged = held or ""
             if self.pods.enabled and self.pods.synced():
                 # Claims only matter while a pod is pending; drop the rest so
                 # the set does not grow with every pod the node ever ran.
                 self.ledger.prune_claims({s.ident for s in self.pods.candidates()})
             gone = self._gone_pods()
-            for placement in self.ledger.reconcile(live, self.clock(), gone):
+            asked: set[str] = set()
+
+            def may_release(placement: Placement) -> bool:
+                asked.add(placement.key)
+                if held is not None:
+                    return False
+                if alive is not None and _owner_alive(placement.owner, alive):
+                    gate.present(placement.key)
+                    return False
+                return gate.confirm_missing(placement.key, now)
+
+            for placement in self.ledger.reconcile(live, self.clock(), gone, may_release):
                 released_count += 1
                 self._forget(placement.key, f"no live container holds it ({reason})")
-            for (namespace, pod, container), held in by_container.items():
-                self._adopt_or_name(namespace, pod, container, held, annotate)
+            gate.forget_except(asked & set(self.ledger.placements))
+            for (namespace, pod, container), held_ids in by_container.items():
+                self._adopt_or_name(namespace, pod, container, held_ids, annotate)
             self._republish_if_legacy_changed()
             keep = set(self.ledger.placements)
-            for key in self.store.record_keys():
-                if key not in keep:
-                    self.store.discard(key)
-                    log.info("removed orphaned config directory %s", key)
-            for name in self.delivery.sweep(keep):
-                log.info("removed orphaned CDI spec %s", name)
+            if held is None:  # a record may yet be claimed while the kubelet settles
+                for key in self.store.record_keys():
+                    if key not in keep:
+                        self.store.discard(key)
+                        log.info("removed orphaned config directory %s", key)
+                for name in self.delivery.sweep(keep):
+                    log.info("removed orphaned CDI spec %s", name)
+            followup = gate.awaiting()
+        if followup:
+            self._schedule_followup()
         # Every live pod, not only those whose owner changed now: most owners
         # are known at Allocate already. _annotate skips what is up to date.
         for namespace, pod, _ in by_container:
@@ -885,3 +1010,13 @@ class PluginService:
             log.warning(
                 "could not check the recovered placements with the kubelet; keeping them all"
             )
+
+
+def _owner_alive(owner: Owner | None, alive: frozenset[str]) -> bool:
+    """Does the API server show the owner's pod bound here and not terminated?
+    By UID when known (a namesake is another pod), else by name."""
+    if owner is None:
+        return False
+    if owner.pod_uid:
+        return owner.pod_uid in alive
+    return f"{owner.namespace}/{owner.pod}" in alive

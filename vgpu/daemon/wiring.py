@@ -209,6 +209,7 @@ class Daemon:
                 api_wait_s=settings.api_wait_s,
                 context_overhead_mib=settings.context_overhead_mib,
                 hook_injection=settings.hook_injection,
+                settle_s=settings.reconcile_interval_s,
             ),
             self.store,
             self.pods,
@@ -227,6 +228,7 @@ class Daemon:
                 self.pods,
                 settings.unallocated_policy,
                 self._event,
+                holding=self.service.holding_releases,
             )
         self.service.delivery = build_delivery(
             settings.device_list_strategy, CdiDir(settings.cdi_dir, settings.resource_domain)
@@ -244,6 +246,7 @@ class Daemon:
             settings.device_plugin_dir, self._socket_paths, self._on_kubelet_restart
         )
         self._threads: list[threading.Thread] = []
+        self.service.registered_now = self._registered_with_current_kubelet
 
     # ------------------------------------------------------------ events
 
@@ -432,6 +435,7 @@ class Daemon:
                 self._backoff_s = min(self._backoff_s * 2, 10.0)
                 return False
             self._registered_with = identity
+            self.service.plugin_registered()
             self._backoff_s = 0.5
             self._next_attempt = 0.0
             self.registrations += 1
@@ -443,9 +447,15 @@ class Daemon:
             )
             return True
 
+    def _registered_with_current_kubelet(self) -> bool:
+        """Registered, with the kubelet whose kubelet.sock is there now?"""
+        registered = self._registered_with  # one read (called under the service's lock)
+        return registered is not None and registered == self.watcher.kubelet_identity()
+
     def _on_kubelet_restart(self, why: str) -> None:
         if self.stop.is_set():
             return
+        self.service.kubelet_restarted(why)
         log.warning("kubelet restart noticed (%s): serving again and re-registering", why)
         self._registered_with = None
         self._serve()

@@ -68,6 +68,7 @@ class SimNode:
         self.admissions: dict[str, Admission] = {}  # pod uid -> what auto_admit got
         self._admit_stop = threading.Event()
         self._admit_thread: threading.Thread | None = None
+        self._running_after_s = 0.0
 
     # --------------------------------------------------------- lifecycle
 
@@ -245,12 +246,14 @@ class SimNode:
 
     # ------------------------------------------------------- auto-admit
 
-    def auto_admit(self) -> None:
+    def auto_admit(self, running_after_s: float = 0.0) -> None:
         """Admit every pod the API server binds to this node, one at a time in creation
-        order, like the kubelet: a pod admitted turns Running, one refused turns Failed
-        (UnexpectedAdmissionError); a pod deleted or finished frees its devices."""
+        order, like the kubelet: a pod admitted turns Running (`running_after_s` later,
+        as a real node starts its containers; Pending until then), one refused turns
+        Failed (UnexpectedAdmissionError); a pod deleted or finished frees its devices."""
         if self.api is None or self._admit_thread is not None:
             return
+        self._running_after_s = running_after_s
         self._admit_stop.clear()
         self._admit_thread = threading.Thread(
             target=self._admit_loop, name=f"sim-kubelet-{self.node}", daemon=True
@@ -319,8 +322,12 @@ class SimNode:
         result = self.kubelet.admit(sim_pod)
         self.admissions[meta["uid"]] = result
 
+        uid = meta["uid"]
+
         def mutate(obj: dict[str, Any]) -> None:
             status = obj.setdefault("status", {})
+            if obj["metadata"]["uid"] != uid or status.get("phase") != "Pending":
+                return  # replaced, deleted or finished meanwhile
             if result.ok:
                 status["phase"] = "Running"
             else:
@@ -328,8 +335,17 @@ class SimNode:
                     phase="Failed", reason="UnexpectedAdmissionError", message=result.error
                 )
 
-        with contextlib.suppress(KeyError):  # deleted meanwhile
-            self.api.update_pod(meta["namespace"], meta["name"], mutate)
+        def update() -> None:
+            assert self.api is not None
+            with contextlib.suppress(KeyError):  # deleted meanwhile
+                self.api.update_pod(meta["namespace"], meta["name"], mutate)
+
+        if result.ok and self._running_after_s > 0:
+            timer = threading.Timer(self._running_after_s, update)
+            timer.daemon = True
+            timer.start()
+        else:
+            update()
 
 
 def stop_process(

@@ -417,6 +417,14 @@ class KubeletSimulator:
         self._resources: dict[str, _Resource] = {}
         self._pods: dict[str, _PodState] = {}
         self._threads: list[threading.Thread] = []
+        # A restarting kubelet's pod-resources answers (see restart()): empty
+        # until _podres_blank_until, then only every other pod until
+        # _podres_partial_until (monotonic times).
+        self._podres_blank_until = 0.0
+        self._podres_partial_until = 0.0
+        # Set by restart(): admissions wait for the plugins to register again.
+        self._restarted = threading.Event()
+        self._restarted.set()
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -433,17 +441,22 @@ class KubeletSimulator:
             if self._serving:
                 return
             self.plugin_dir.mkdir(parents=True, exist_ok=True)
-            if self.pod_resources_socket is not None and self._pr_server is None:
-                self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
-                _remove_socket(self.pod_resources_socket)
-                server = self._new_server()
-                pr_grpc.add_PodResourcesListerServicer_to_server(  # type: ignore[no-untyped-call]
-                    _PodResourcesService(self), server
-                )
-                server.add_insecure_port(f"unix://{self.pod_resources_socket}")
-                server.start()
-                self._pr_server = server
+            self._serve_pod_resources()
             self._serve_registration()
+
+    def _serve_pod_resources(self) -> None:
+        # Caller holds self._lock.
+        if self.pod_resources_socket is None or self._pr_server is not None:
+            return
+        self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
+        _remove_socket(self.pod_resources_socket)
+        server = self._new_server()
+        pr_grpc.add_PodResourcesListerServicer_to_server(  # type: ignore[no-untyped-call]
+            _PodResourcesService(self), server
+        )
+        server.add_insecure_port(f"unix://{self.pod_resources_socket}")
+        server.start()
+        self._pr_server = server
 
     def stop(self) -> None:
         """Close everything and remove the sockets this simulator created.  Idempotent.
@@ -465,22 +478,50 @@ class KubeletSimulator:
         if self.pod_resources_socket is not None:
             _remove_socket(self.pod_resources_socket)
 
-    def restart(self) -> None:
-        """Behave like a starting kubelet.
+    def restart(
+        self,
+        *,
+        podres_blank_s: float = 0.0,
+        podres_partial_s: float = 0.0,
+        register_delay_s: float = 0.0,
+    ) -> None:
+        """Behave like a starting kubelet (as a real kubelet 1.36 does it, KUBELET.md).
 
-        Stops serving, closes every plugin connection and stream, deletes every socket file in
-        ``plugin_dir`` (the plugins' too) and serves ``kubelet.sock`` again.  Allocations
-        survive (the checkpoint); every resource has no devices until its plugin re-registers.
-        The pod-resources server keeps running.
+        Stops serving, closes every plugin connection and stream, and serves its
+        pod-resources API again on a re-created socket at once: for
+        `podres_blank_s` its List is empty and for `podres_partial_s` more it
+        lists only every other pod, although every container still runs (the
+        new kubelet has not loaded its pods yet). `register_delay_s` later it
+        deletes every socket file in ``plugin_dir`` (the plugins' too) and
+        serves ``kubelet.sock`` again; until then the old ``kubelet.sock`` file
+        stays. Allocations survive (the checkpoint); every resource has no
+        devices until its plugin re-registers, and admissions wait for that
+        (at most 10 s), as pods admitted after a restart get Allocate as usual.
+        The restart comes between two admissions (one under way finishes first).
         """
+        with self._admit_lock:
+            self._restart(podres_blank_s, podres_partial_s, register_delay_s)
+
+    def _restart(
+        self, podres_blank_s: float, podres_partial_s: float, register_delay_s: float
+    ) -> None:
         with self._lock:
             self._epoch += 1
             self._serving = False
+            self._restarted.clear()
             conns = self._take_conns()
-            server = self._reg_server
+            servers = [s for s in (self._reg_server, self._pr_server) if s is not None]
             self._reg_server = None
+            self._pr_server = None
             self._forget_devices()
-        self._shutdown(conns, [server] if server is not None else [])
+        self._shutdown(conns, servers)
+        now = time.monotonic()
+        with self._lock:
+            self._podres_blank_until = now + podres_blank_s
+            self._podres_partial_until = now + podres_blank_s + podres_partial_s
+            self._serve_pod_resources()
+        if register_delay_s > 0:
+            time.sleep(register_delay_s)
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.plugin_dir):
                 with contextlib.suppress(OSError):
@@ -851,6 +892,17 @@ class KubeletSimulator:
         container, as Go's map iteration is random.
         """
         with self._admit_lock:
+            if not self._restarted.is_set():
+                # A restarted kubelet admits new pods once their plugins registered again.
+                known = set(self._resources)
+                self.wait_for(
+                    lambda: all(
+                        self._resources[r].options is not None and self._resources[r].devices
+                        for r in known
+                    ),
+                    10.0,
+                )
+                self._restarted.set()
             with self._lock:
                 if pod.uid in self._pods:
                     raise ValueError(f"pod {pod.namespace}/{pod.name} ({pod.uid}) already admitted")
@@ -1053,9 +1105,15 @@ class KubeletSimulator:
         return out
 
     def _pod_resources(self) -> list[pr.PodResources]:
+        now = time.monotonic()
         with self._lock:
             out: list[pr.PodResources] = []
-            for st in self._pods.values():
+            if now < self._podres_blank_until:
+                return out  # a new kubelet that has not loaded its pods yet
+            states = list(self._pods.values())
+            if now < self._podres_partial_until:
+                states = states[::2]  # ... and one that has loaded some of them
+            for st in states:
                 containers = [
                     pr.ContainerResources(
                         name=c.name, devices=self._container_devices(st.containers.get(c.name, {}))
