@@ -144,10 +144,13 @@ def test_corrupt_record_is_rebuilt_from_the_kubelet(sim_node: NodeMaker, damage:
 
 
 @pytest.mark.timeout(60)
-def test_state_lost_entirely_is_readopted(sim_node: NodeMaker) -> None:
+@pytest.mark.parametrize("order", [[CORE, MEM], [MEM, CORE]], ids=["core-first", "memory-first"])
+def test_state_lost_entirely_is_readopted(sim_node: NodeMaker, order: list[str]) -> None:
+    """Re-adopted under the key the kubelet's saved answer mounts (its
+    checkpoint), whichever resource it allocated first (issue 28)."""
     node = sim_node()
     results = [
-        node.submit(node.pod("frac", {CORE: 30, MEM: 50}), [CORE, MEM]),
+        node.submit(node.pod("frac", {CORE: 30, MEM: 50}), order),
         node.submit(node.pod("whole", {CORE: 100})),
         node.submit(node.pod("memonly", {MEM: 70})),
     ]

@@ -20,6 +20,7 @@ from vgpu.adapters.devnodes import HostDevices
 from vgpu.adapters.fs import ContainerStore
 from vgpu.adapters.gpus import CardReading
 from vgpu.adapters.kube import NodePublisher, NoNodePublisher, PodSource
+from vgpu.adapters.kubelet import checkpoint
 from vgpu.adapters.kubelet.servicer import (
     AllocationAnswer,
     DeviceView,
@@ -152,6 +153,9 @@ class PluginService:
         # Is the daemon registered with the kubelet running now? The composition
         # root sets it (the kubelet.sock it registered with is the one there now).
         self.registered_now: Callable[[], bool] = lambda: True
+        # The kubelet's device checkpoint (the composition root sets it): the
+        # saved Allocate answers name the directories running containers mount.
+        self.kubelet_checkpoint: Path | None = None
 
     def _republish_if_legacy_changed(self) -> None:
         """A slice held under a legacy ID was released (or one arrived): the
@@ -942,12 +946,14 @@ class PluginService:
             if found is not None and found[0] not in cards:
                 cards.append(found[0])
         whole = len(core_ids) >= CORE_UNITS_PER_CARD
-        # The key came from whichever resource the kubelet allocated first, and
-        # the kubelet's saved answer mounts that directory: reuse it if it is
-        # still there (a corrupt or missing record), else take the core IDs'.
+        # The kubelet's saved answer mounts the directory of the key it got at
+        # the container's first Allocate: take that key from its checkpoint, so
+        # that the running container finds its files where it mounted them.
+        # Without it: the key of a directory still there, else the core IDs'.
+        mounted = self._mounted_key(core_ids | mem_ids)
         keys = [placement_key(i) for i in (core_ids, mem_ids) if i]
         existing = set(self.store.record_keys())
-        key = next((k for k in keys if k in existing), keys[0])
+        key = mounted or next((k for k in keys if k in existing), keys[0])
         return Placement(
             key=key,
             cards=tuple(cards),
@@ -957,6 +963,19 @@ class PluginService:
             owner=owner,
             created_s=self.clock(),
         )
+
+    def _mounted_key(self, ids: frozenset[DeviceId]) -> str | None:
+        """The key the kubelet's checkpoint says the container holding `ids`
+        mounts, unless another placement holds that key."""
+        if self.kubelet_checkpoint is None:
+            return None
+        try:
+            entries = checkpoint.read(self.kubelet_checkpoint)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read the kubelet's checkpoint %s: %s", self.kubelet_checkpoint, exc)
+            return None
+        key = checkpoint.mounted_key(entries, ids, self.store.root)
+        return key if key is not None and key not in self.ledger.placements else None
 
     def _annotate(self, namespace: str, pod: str) -> None:
         with self._lock:

@@ -39,6 +39,7 @@ from vgpu.adapters.kube import (
     NoPods,
     PodSource,
 )
+from vgpu.adapters.kubelet.checkpoint import CHECKPOINT_NAME
 from vgpu.adapters.kubelet.servicer import (
     DevicePluginServicer,
     PluginServer,
@@ -247,6 +248,7 @@ class Daemon:
         )
         self._threads: list[threading.Thread] = []
         self.service.registered_now = self._registered_with_current_kubelet
+        self.service.kubelet_checkpoint = settings.device_plugin_dir / CHECKPOINT_NAME
 
     # ------------------------------------------------------------ events
 

@@ -23,22 +23,11 @@ import json
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-CHECKPOINT_NAME = "kubelet_internal_checkpoint"
+from vgpu.adapters.kubelet.checkpoint import CHECKPOINT_NAME, Entry, decode
 
-
-@dataclass(frozen=True)
-class Entry:
-    """One container's devices of one resource."""
-
-    pod_uid: str
-    container: str
-    resource: str
-    device_ids: Mapping[int, Sequence[str]]  # NUMA node (-1: none) -> IDs
-    alloc_resp: bytes
+__all__ = ["CHECKPOINT_NAME", "Entry", "decode", "encode", "write"]
 
 
 def _fnv32a(data: bytes) -> int:
@@ -67,26 +56,6 @@ def encode(entries: Sequence[Entry], registered: Mapping[str, Sequence[str]]) ->
     # and cheap (pure-Python FNV over megabytes would dominate the write).
     checksum = _fnv32a(body[:4096]) ^ len(body)
     return b'{"Data":' + body + b',"Checksum":' + str(checksum).encode() + b"}"
-
-
-def decode(raw: bytes) -> tuple[list[Entry], dict[str, list[str]]]:
-    """Entries and registered devices of a checkpoint; ValueError if malformed."""
-    doc: Any = json.loads(raw)
-    data = doc["Data"]
-    entries = [
-        Entry(
-            pod_uid=str(e["PodUID"]),
-            container=str(e["ContainerName"]),
-            resource=str(e["ResourceName"]),
-            device_ids={int(n): [str(i) for i in ids] for n, ids in e["DeviceIDs"].items()},
-            alloc_resp=base64.b64decode(e.get("AllocResp") or ""),
-        )
-        for e in data.get("PodDeviceEntries") or []
-    ]
-    registered = {
-        str(r): [str(i) for i in ids] for r, ids in (data.get("RegisteredDevices") or {}).items()
-    }
-    return entries, registered
 
 
 def write(path: Path, payload: bytes, fsync: bool = True) -> None:
