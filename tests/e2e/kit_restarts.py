@@ -826,6 +826,31 @@ def parse_log(path: Path, t_restart: float) -> dict[str, Any]:
     }
 
 
+def live_releases(result: dict[str, Any], t_restart: float) -> list[str]:
+    """Releases, before the pods were deleted, of a placement a Running pod
+    holds at the end (its config's key, or its record's in `vgpu status`):
+    issue 28's first promise, a restart never releases a live slice."""
+    owner: dict[str, str] = {}
+    for name, entry in result.get("pods", {}).items():
+        cfg = entry.get("got", {}).get("config")
+        if entry.get("phase") == "Running" and isinstance(cfg, dict) and cfg.get("key"):
+            owner[str(cfg["key"])] = name
+    running = {n for n, e in result.get("pods", {}).items() if e.get("phase") == "Running"}
+    for c in result.get("status_first", {}).get("containers", []):
+        if c.get("pod") in running:
+            owner.setdefault(str(c["key"]), str(c["pod"]))
+    t_delete = float(result.get("deletion", {}).get("t_delete", now_s())) - t_restart
+    out = []
+    for line in result.get("log", {}).get("lines", {}).get("released", []):
+        words = str(line["msg"]).split()
+        if len(words) < 2 or words[0] != "released" or line["t_s"] is None:
+            continue
+        key = words[1].rstrip(":")
+        if key in owner and line["t_s"] < t_delete:
+            out.append(f"{line['t_s']:+.3f} s: {owner[key]} ({key}): {line['msg'][:160]}")
+    return out
+
+
 # ---------------------------------------------------------------- one run
 
 
@@ -1026,6 +1051,8 @@ def one_run(scenario: str, index: int, out: Path, keep: bool, source: VgpuSource
             "failures": result["deletion"]["failures"],
         }
         result["log"] = parse_log(daemon.log_file, t_restart)
+        live = live_releases(result, t_restart)
+        verdicts["no_live_release"] = {"ok": not live, "failures": live}
     except Interrupted as exc:
         result["error"] = f"interrupted by {exc}"
         raise
@@ -1059,7 +1086,7 @@ def delete_and_watch(src: VgpuSource, kit: Kit, work: Path) -> dict[str, Any]:
     reconcile period of the pods leaving the API server."""
     t_delete = now_s()
     kit.kubectl("delete", "pods", "-n", NAMESPACE, "-l", LABEL, "--wait=false")
-    info: dict[str, Any] = {"failures": []}
+    info: dict[str, Any] = {"failures": [], "t_delete": t_delete}
     try:
         wait_for("deleted pods gone", lambda: not list_pods(kit), GONE_TIMEOUT_S)
     except SetupError as exc:
@@ -1184,8 +1211,9 @@ def table(results: Sequence[dict[str, Any]]) -> str:
         "no_overcommit",
         "status_consistent",
         "records_gone_after_delete",
+        "no_live_release",
     )
-    short = ("own", "why", "overc", "status", "gone")
+    short = ("own", "why", "overc", "status", "gone", "live")
     head = f"{'run':<34} {'run/all':>7} " + " ".join(f"{s:>6}" for s in short)
     head += "  " + " ".join(f"{p.split()[0][:8]:>8}" for p in LOG_PATTERNS) + "  placed pre/post"
     lines = [head]
