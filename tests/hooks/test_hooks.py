@@ -541,25 +541,46 @@ def share_of(*ops: object, env: dict[str, str]) -> tuple[float, str]:
 
 # The stand-in card runs each kernel for FAKE_CUDA_LAUNCH_US on a timeline shared
 # by all processes of a test (FAKE_GPU_STATE); NVML reports each process's share.
+#
+# What an unthrottled tenant reaches there depends on the CPU the machine leaves
+# it: 0.99 alone, 0.65-1.0 beside two busy loops on two cores (issue 29). So no
+# test asserts an unthrottled share as a number: each compares it with what the
+# limit allows (LIMIT_BAND for 30 %), which load can only lower, never raise.
+LIMIT_BAND = (0.22, 0.38)  # a 30 % tenant's share of the stand-in card
+MARGIN = 0.15  # an unthrottled share this far above a throttled one is no throttle
+
+
 @pytest.mark.timeout(60)
 def test_launches_converge_to_the_limit(tmp_path: Path) -> None:
     state = {"FAKE_GPU_STATE": tmp_path / "gpu", "FAKE_CUDA_LAUNCH_US": 200}
+    # The baseline: the same tenant without a limit, in this test, on this machine now.
     free, _ = share_of("ctx", 0, "launch", 1.5, env=compute_env(None, **state))
     limited, _ = share_of(
         "ctx", 0, "launch", 3, env=compute_env(30, VGPU_SHARED_DIR=tmp_path, **state)
     )
     print(f"GPU share: unthrottled {free:.3f}, limit 30% {limited:.3f}")
-    assert free > 0.9
-    assert 0.22 <= limited <= 0.38
+    low, high = LIMIT_BAND
+    # Load only lowers a share: the band's top holds on any machine, its bottom
+    # as far as the machine let the unthrottled tenant get.
+    assert min(low, free / 2) <= limited <= high, (limited, free)
+    # The limit is what held it: without it the same tenant got clearly more.
+    assert free >= limited + MARGIN, (free, limited)
 
 
 @pytest.mark.timeout(60)
-def test_without_nvml_throttling_is_off_with_one_log_line(shared: str) -> None:
+def test_without_nvml_throttling_is_off_with_one_log_line(tmp_path: Path) -> None:
+    # Baseline: the same tenant throttled through NVML, in this test.
+    throttled, _ = share_of(
+        "ctx", 0, "launch", 1.5,
+        env=compute_env(30, VGPU_SHARED_DIR=tmp_path, FAKE_GPU_STATE=tmp_path / "gpu",
+                        FAKE_CUDA_LAUNCH_US=200),
+    )  # fmt: skip
     share, err = share_of(
-        "ctx", 0, "launch", 0.6, env=compute_env(30, nvml=False, FAKE_CUDA_LAUNCH_US=200)
+        "ctx", 0, "launch", 1, env=compute_env(30, nvml=False, FAKE_CUDA_LAUNCH_US=200)
     )
-    # Unthrottled: far above the 30 % limit (a busy CPU keeps it from a full 1.0).
-    assert share > 0.6
+    print(f"GPU share at 30%: with NVML {throttled:.3f}, without {share:.3f}")
+    # Unthrottled: clearly above what the same limit gives with NVML.
+    assert share >= throttled + MARGIN, (share, throttled)
     assert len(vgpu_lines(err)) == 1 and "NVML" in err and "not enforced" in err
 
 
