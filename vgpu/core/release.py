@@ -15,7 +15,9 @@ only when all of these hold:
    ends once the daemon is registered with the kubelet now running (for a
    re-created socket: registered again since the hold began) *and* that
    kubelet's answers have been stable (answered, and no container dropped
-   from one answer to the next) for one settle period (the reconcile period).
+   from one answer to the next) for one settle period (the reconcile period,
+   at most SETTLE_MAX_S). The start-up rule applies only to a daemon that
+   recovered placements: a fresh one has nothing a new kubelet could forget.
 2. **Two sightings agree.** The kubelet left it out of two Lists at least
    `grace_s` apart.
 3. **The API server agrees** (checked by the caller): it does not show the
@@ -27,9 +29,10 @@ from __future__ import annotations
 from collections.abc import Collection, Hashable
 from dataclasses import dataclass, field
 
-__all__ = ["RELEASE_GRACE_S", "ReleaseGate"]
+__all__ = ["RELEASE_GRACE_S", "SETTLE_MAX_S", "ReleaseGate"]
 
 RELEASE_GRACE_S = 2.0  # the least time between the two sightings of a release
+SETTLE_MAX_S = 30.0  # the settle period is the reconcile period, at most this
 # A hold that waits for a registration which never comes (a kubelet that kept
 # its kubelet.sock) stops waiting for it after this many settle periods.
 REREGISTER_WAIT_SETTLES = 3

@@ -148,6 +148,7 @@ class PluginService:
         self.release_gate = ReleaseGate(settle_s=options.settle_s)
         self._podres_identity: tuple[int, int] | None = None
         self._podres_answered = False  # has the kubelet's List ever answered?
+        self._recovered = 0  # placements recovered at start-up
         self._hold_logged = ""
         self._followup_timer: threading.Timer | None = None
         # Is the daemon registered with the kubelet running now? The composition
@@ -534,7 +535,6 @@ class PluginService:
             except PodResourcesUnavailable as exc:
                 log.warning("pod-resources API unavailable (%s) while judging held IDs", exc)
         reused: set[str] = set()
-        alive = self.pods.alive() if self.pods.enabled else None
         with self._lock:
             gone = self._gone_pods()
             held = self.release_gate.holding(time.monotonic(), self.registered_now())
@@ -549,16 +549,13 @@ class PluginService:
                     listing=listing,
                     pod_gone=pod_gone,
                 )
-                if verdict is Holder.DEAD and not pod_gone:
-                    # The kubelet's word alone never releases while it restarts,
-                    # nor a pod the API server shows running here.
-                    if held is not None:
-                        verdict, why = Holder.UNKNOWN, f"{why}, but releases are held: {held}"
-                    elif alive is not None and _owner_alive(placement.owner, alive):
-                        verdict, why = (
-                            Holder.UNKNOWN,
-                            f"{why}, but the API server shows its pod running on this node",
-                        )
+                if verdict is Holder.DEAD and not pod_gone and held is not None:
+                    # A kubelet that has just restarted may hand out IDs it has
+                    # not reloaded yet: keep the holder (and its directory).
+                    # Otherwise the kubelet allocating the IDs again is its own
+                    # word that they are free, whatever a pod cache shows (a
+                    # kept record would count the slice twice).
+                    verdict, why = Holder.UNKNOWN, f"{why}, but releases are held: {held}"
                 if verdict is Holder.REUSED:
                     reused.add(key)
                     log.info(
@@ -755,7 +752,8 @@ class PluginService:
 
     def _note_podres_socket(self) -> None:
         """The socket the last List answered on: a new one means a new kubelet;
-        the first one seen, if created less than a settle period ago, too."""
+        the first one seen, if created less than a settle period ago, too
+        (only where placements were recovered: nothing else predates it)."""
         assert self.podresources is not None
         identity = self.podresources.last_identity
         before, self._podres_identity = self._podres_identity, identity
@@ -765,7 +763,7 @@ class PluginService:
             self.kubelet_restarted("the kubelet's pod-resources socket was re-created")
             return
         age_s = time.time() - identity[1] / 1e9
-        if age_s < self.options.settle_s:
+        if age_s < self.options.settle_s and self._recovered:
             self.kubelet_restarted(
                 f"the kubelet started {max(age_s, 0.0):.1f} s ago", reregister=False
             )
@@ -1005,6 +1003,7 @@ class PluginService:
     def recover(self) -> None:
         """Rebuild the ledger from our records, then check them with the kubelet."""
         placements, bad = self.store.load_all()
+        self._recovered = len(placements)
         with self._lock:
             for placement in placements:
                 self.ledger.restore(placement)

@@ -53,6 +53,7 @@ from vgpu.config import Settings
 from vgpu.core.errors import ConfigError, StateUnwritable
 from vgpu.core.health import HealthEvent
 from vgpu.core.model import Card, CardUuid, Resource
+from vgpu.core.release import SETTLE_MAX_S
 from vgpu.daemon.guard import UnallocatedGuard
 from vgpu.daemon.lifecycle import stop_on_signals
 from vgpu.daemon.service import PluginService, ServiceOptions, install_or_refuse
@@ -210,7 +211,7 @@ class Daemon:
                 api_wait_s=settings.api_wait_s,
                 context_overhead_mib=settings.context_overhead_mib,
                 hook_injection=settings.hook_injection,
-                settle_s=settings.reconcile_interval_s,
+                settle_s=min(settings.reconcile_interval_s, SETTLE_MAX_S),
             ),
             self.store,
             self.pods,
