@@ -798,6 +798,7 @@ def parse_log(path: Path, t_restart: float) -> dict[str, Any]:
     errors: list[str] = []
     placed_before: set[str] = set()
     placed_after: set[str] = set()
+    placed: list[dict[str, Any]] = []
     if not path.exists():
         return {"counts": dict.fromkeys(LOG_PATTERNS, 0), "lines": hits, "errors": errors}
     for raw in path.read_text(errors="replace").splitlines():
@@ -814,12 +815,14 @@ def parse_log(path: Path, t_restart: float) -> dict[str, Any]:
             pass
         if msg.startswith("placed ") and t is not None:
             (placed_before if t < 0 else placed_after).add(msg.split()[1])
+            placed.append({"t_s": round(t, 3), "key": msg.split()[1]})
         for p in LOG_PATTERNS:
             if p in msg:
                 hits[p].append({"t_s": None if t is None else round(t, 3), "msg": msg[:400]})
     return {
         "counts": {p: len(v) for p, v in hits.items()},
         "lines": hits,
+        "placed": placed[:200],
         "placed_keys_before_restart": len(placed_before),
         "placed_keys_after_restart": len(placed_after - placed_before),
         "errors": errors[:50],
@@ -828,8 +831,11 @@ def parse_log(path: Path, t_restart: float) -> dict[str, Any]:
 
 def live_releases(result: dict[str, Any], t_restart: float) -> list[str]:
     """Releases, before the pods were deleted, of a placement a Running pod
-    holds at the end (its config's key, or its record's in `vgpu status`):
-    issue 28's first promise, a restart never releases a live slice."""
+    holds at the end (its config's key, or its record's in `vgpu status`) that
+    no Allocate placed again afterwards: issue 28's first promise, a restart
+    never releases a live slice. (A half-admitted pod whose IDs the restarted
+    kubelet itself offers again and allocates anew is not one: its key is
+    logged `placed` after the release.)"""
     owner: dict[str, str] = {}
     for name, entry in result.get("pods", {}).items():
         cfg = entry.get("got", {}).get("config")
@@ -840,13 +846,15 @@ def live_releases(result: dict[str, Any], t_restart: float) -> list[str]:
         if c.get("pod") in running:
             owner.setdefault(str(c["key"]), str(c["pod"]))
     t_delete = float(result.get("deletion", {}).get("t_delete", now_s())) - t_restart
+    placed = result.get("log", {}).get("placed", [])
     out = []
     for line in result.get("log", {}).get("lines", {}).get("released", []):
         words = str(line["msg"]).split()
         if len(words) < 2 or words[0] != "released" or line["t_s"] is None:
             continue
         key = words[1].rstrip(":")
-        if key in owner and line["t_s"] < t_delete:
+        again = any(p["key"] == key and p["t_s"] >= line["t_s"] for p in placed)
+        if key in owner and line["t_s"] < t_delete and not again:
             out.append(f"{line['t_s']:+.3f} s: {owner[key]} ({key}): {line['msg'][:160]}")
     return out
 
