@@ -234,3 +234,25 @@ def test_a_pod_admitted_out_of_order_never_gets_its_neighbours_limits(
     assert not status_problems(node)
     owners = {c["pod"]: c for c in status(node)["containers"]}
     assert set(owners) == {"older", "newer"}, owners
+
+
+@pytest.mark.timeout(60)
+def test_fallback_placements_go_with_their_pods_after_a_restart(sim_node: NodeMaker) -> None:
+    """No API server: every placement is made by the fallback rule, with no
+    owner. After a kubelet restart, they stay while their pods run and go
+    within a reconcile period and the grace once the pods are deleted."""
+    node = sim_node(api=False, daemon_args=FAST)
+    pods = [node.pod(f"f{i}", {CORE: 15, MEM: 10 + i}) for i in range(3)]
+    for pod in pods:
+        assert_admitted_ok(node.submit(pod))
+    wait_consistent(node)
+    restart_kubelet(node, podres_blank_s=1.0, podres_partial_s=1.0, register_delay_s=0.2)
+    assert node.wait(lambda: "releases resume" in node.log(), 15), node.log()[-3000:]
+    assert len(status(node)["containers"]) == 3
+    assert "vgpu: released " not in node.log()
+    for pod in pods:
+        node.delete(pod)
+    started = time.monotonic()
+    assert wait_until(lambda: not status(node)["containers"], 10.0), node.log()[-3000:]
+    took = time.monotonic() - started
+    assert took < 1.0 + 2.0 + 1.0, took  # one reconcile period, the grace, slack

@@ -316,7 +316,7 @@ class Ledger:
         pending_key = self._pending.key if self._pending else None
         for key, placement in list(self.placements.items()):
             young = now_s - placement.created_s < RECONCILE_GRACE_S
-            if key == pending_key and young:
+            if key == pending_key and young and len(placement.ids) < len(Resource):
                 continue  # its other resource may still come
             if placement.all_ids() & live:
                 self._settled.add(key)

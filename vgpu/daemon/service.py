@@ -844,6 +844,7 @@ class PluginService:
                 # the set does not grow with every pod the node ever ran.
                 self.ledger.prune_claims({s.ident for s in self.pods.candidates()})
             gone = self._gone_pods()
+            self._settle_from_checkpoint(live)
             asked: set[str] = set()
 
             def may_release(placement: Placement) -> bool:
@@ -961,6 +962,27 @@ class PluginService:
             owner=owner,
             created_s=self.clock(),
         )
+
+    def _settle_from_checkpoint(self, live: set[DeviceId]) -> None:
+        """Placements the kubelet has never listed are kept 30 s (our answer may
+        not have reached it). Its checkpoint, rewritten after every allocation,
+        says whether it did: one that holds their IDs settles them, so they go
+        by the usual rules once their pod does (a restart may have hidden them
+        from every List while they ran). Read only when there are such
+        placements. Called under the lock."""
+        waiting = [
+            p
+            for p in self.ledger.placements.values()
+            if not self.ledger.is_settled(p.key) and not p.all_ids() & live
+        ]
+        if not waiting or self.kubelet_checkpoint is None:
+            return
+        try:
+            entries = checkpoint.read(self.kubelet_checkpoint)
+        except (OSError, ValueError):
+            return
+        recorded = {d for e in entries for d in e.ids()}
+        self.ledger.mark_settled(p.key for p in waiting if p.all_ids() & recorded)
 
     def _mounted_key(self, ids: frozenset[DeviceId]) -> str | None:
         """The key the kubelet's checkpoint says the container holding `ids`
