@@ -74,3 +74,24 @@ def test_a_registration_that_never_comes_is_waited_for_a_few_settle_periods() ->
     assert gate.holding(limit - 1.0, registered=True) is not None
     gate.listed(limit, {"a"}, registered=True)
     assert gate.holding(limit + 10.0, registered=True) is None
+
+
+def test_pods_leaving_during_a_hold_do_not_unsettle_it() -> None:
+    """Containers of pods the API server shows deleting or gone leave the List
+    as expected: the hold still ends one settle period after it was stable."""
+    gate = ReleaseGate(settle_s=10.0)
+    gate.restart(0.0, "restart", reregister=False)
+    gate.listed(1.0, {"a", "b", "c"}, registered=True)
+    gate.listed(6.0, {"a"}, registered=True, leaving=lambda c: c in {"b", "c"})
+    assert gate.holding(11.0, registered=True) is None
+
+
+def test_the_next_second_sighting_is_due_from_the_earliest_first() -> None:
+    gate = ReleaseGate(settle_s=10.0, grace_s=2.0)
+    assert gate.due_in(0.0) is None
+    gate.confirm_missing("p1", 100.0)
+    gate.confirm_missing("p2", 100.5)
+    assert gate.due_in(100.5) == 1.5
+    assert gate.confirm_missing("p1", 102.0)
+    gate.present("p1")
+    assert gate.due_in(102.0) == 0.5

@@ -256,3 +256,21 @@ def test_fallback_placements_go_with_their_pods_after_a_restart(sim_node: NodeMa
     assert wait_until(lambda: not status(node)["containers"], 10.0), node.log()[-3000:]
     took = time.monotonic() - started
     assert took < 1.0 + 2.0 + 1.0, took  # one reconcile period, the grace, slack
+
+
+@pytest.mark.timeout(60)
+def test_pods_deleted_one_after_another_go_two_seconds_after_each(sim_node: NodeMaker) -> None:
+    """With the default 10 s reconcile period, each deleted pod's record goes
+    about the grace (2 s) after the kubelet stops listing it: the follow-up
+    look schedules the next one for sightings made while it waited."""
+    node = sim_node(api=True, daemon_args=["--reconcile-interval-s", "10"])
+    pods = [node.pod(f"s{i}", {CORE: 10, MEM: 10}) for i in range(3)]
+    for pod in pods:
+        assert_admitted_ok(node.submit(pod))
+    wait_consistent(node)
+    for pod in pods:
+        node.delete(pod)
+        time.sleep(0.7)
+    started = time.monotonic()
+    assert wait_until(lambda: not status(node)["containers"], 10.0), node.log()[-3000:]
+    assert time.monotonic() - started < 3.0, node.log()[-2000:]

@@ -73,6 +73,11 @@ class PodSource(Protocol):
         may still run); None while the cache is not synced (nothing is known)."""
         ...
 
+    def staying(self) -> frozenset[str] | None:
+        """`namespace/name`s of the alive() pods that are not being deleted;
+        None while the cache is not synced."""
+        ...
+
     def running(self) -> list[ContainerSpec]:
         """Containers of this node's Running pods that ask for our resources."""
         ...
@@ -107,6 +112,9 @@ class NoPods:
         return ""
 
     def alive(self) -> frozenset[str] | None:
+        return None
+
+    def staying(self) -> frozenset[str] | None:
         return None
 
     def running(self) -> list[ContainerSpec]:
@@ -383,6 +391,17 @@ class KubePodCache:
                 meta = obj.get("metadata") or {}
                 out.add(f"{meta.get('namespace', '')}/{meta.get('name', '')}")
         return frozenset(out)
+
+    def staying(self) -> frozenset[str] | None:
+        if not self._synced:
+            return None
+        with self._cond:
+            metas = [obj.get("metadata") or {} for obj in self._pods.values()]
+        return frozenset(
+            f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+            for meta in metas
+            if not meta.get("deletionTimestamp")
+        )
 
     # ------------------------------------------------------------ writes
 

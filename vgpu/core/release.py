@@ -15,7 +15,8 @@ only when all of these hold:
    ends once the daemon is registered with the kubelet now running (for a
    re-created socket: registered again since the hold began) *and* that
    kubelet's answers have been stable (answered, and no container dropped
-   from one answer to the next) for one settle period (the reconcile period,
+   from one answer to the next, except those of pods the API server shows
+   deleting or gone) for one settle period (the reconcile period,
    at most SETTLE_MAX_S). The start-up rule applies only to a daemon that
    recovered placements: a fresh one has nothing a new kubelet could forget.
 2. **Two sightings agree.** The kubelet left it out of two Lists at least
@@ -26,7 +27,7 @@ only when all of these hold:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 
 __all__ = ["RELEASE_GRACE_S", "SETTLE_MAX_S", "ReleaseGate"]
@@ -90,13 +91,23 @@ class ReleaseGate:
         self.stable_since = None
         self._last_listed = None
 
-    def listed(self, now_s: float, containers: Collection[Hashable], registered: bool) -> None:
+    def listed(
+        self,
+        now_s: float,
+        containers: Collection[Hashable],
+        registered: bool,
+        leaving: Callable[[Hashable], bool] = lambda container: False,
+    ) -> None:
         """An answer of the kubelet's List (the containers holding our IDs),
-        with whether the daemon is registered with the kubelet now running."""
+        with whether the daemon is registered with the kubelet now running.
+        `leaving`: is a container's pod known to be deleting or gone (its
+        leaving the List is expected, not a sign of an unsettled kubelet)?"""
         listed = frozenset(containers)
         if self.hold_since is not None:
             registered = self._registered(now_s, registered)
-            dropped = self._last_listed is not None and not self._last_listed <= listed
+            dropped = self._last_listed is not None and any(
+                not leaving(c) for c in self._last_listed - listed
+            )
             if not registered or dropped or self.stable_since is None:
                 self.stable_since = now_s if registered else None
         self._last_listed = listed
@@ -135,3 +146,9 @@ class ReleaseGate:
     def awaiting(self) -> bool:
         """Is a placement waiting for its second sighting?"""
         return bool(self._missing_since)
+
+    def due_in(self, now_s: float) -> float | None:
+        """Seconds until the earliest first sighting may be confirmed (None: none waits)."""
+        if not self._missing_since:
+            return None
+        return max(0.0, min(self._missing_since.values()) + self.grace_s - now_s)

@@ -768,16 +768,15 @@ class PluginService:
                 f"the kubelet started {max(age_s, 0.0):.1f} s ago", reregister=False
             )
 
-    def _schedule_followup(self) -> None:
-        """A placement awaits its second sighting: look again after the grace."""
+    def _schedule_followup(self, delay_s: float) -> None:
+        """A placement awaits its second sighting: look again once it is due.
+        (Called by the follow-up itself too: it then schedules the next one.)"""
         if self._closed:
             return
         timer = self._followup_timer
-        if timer is not None and timer.is_alive():
-            return
-        timer = threading.Timer(
-            self.release_gate.grace_s + 0.05, self.reconcile, args=("second sighting",)
-        )
+        if timer is not None and timer.is_alive() and timer is not threading.current_thread():
+            return  # one is due no later than this sighting's
+        timer = threading.Timer(delay_s + 0.05, self.reconcile, args=("second sighting",))
         timer.daemon = True
         self._followup_timer = timer
         timer.start()
@@ -831,7 +830,12 @@ class PluginService:
             now = time.monotonic()
             registered = self.registered_now()
             gate = self.release_gate
-            gate.listed(now, by_container, registered)
+            staying = self.pods.staying() if self.pods.enabled else None
+
+            def pod_leaving(container: Any) -> bool:
+                return staying is not None and f"{container[0]}/{container[1]}" not in staying
+
+            gate.listed(now, by_container, registered, pod_leaving)
             held = gate.holding(now, registered)
             if (held or "") != self._hold_logged:
                 if held:
@@ -871,9 +875,9 @@ class PluginService:
                         log.info("removed orphaned config directory %s", key)
                 for name in self.delivery.sweep(keep):
                     log.info("removed orphaned CDI spec %s", name)
-            followup = gate.awaiting()
-        if followup:
-            self._schedule_followup()
+            followup = gate.due_in(now)
+        if followup is not None:
+            self._schedule_followup(followup)
         # Every live pod, not only those whose owner changed now: most owners
         # are known at Allocate already. _annotate skips what is up to date.
         for namespace, pod, _ in by_container:
