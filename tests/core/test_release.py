@@ -95,3 +95,11 @@ def test_the_next_second_sighting_is_due_from_the_earliest_first() -> None:
     assert gate.confirm_missing("p1", 102.0)
     gate.present("p1")
     assert gate.due_in(102.0) == 0.5
+
+
+def test_a_stable_hold_is_due_to_end_one_settle_period_after_it_became_stable() -> None:
+    gate = ReleaseGate(settle_s=10.0)
+    gate.restart(0.0, "restart", reregister=False)
+    assert gate.due_in(0.5) is None  # nothing stable yet
+    gate.listed(1.0, {"a"}, registered=True)
+    assert gate.due_in(4.0) == 7.0

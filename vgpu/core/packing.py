@@ -423,15 +423,21 @@ class Ledger:
     ) -> bool:
         """Would another unplaced container, asking the same `size` of `resource`
         but something else of the other resource, fit this call as well?"""
+        rivals = [
+            c
+            for c in candidates
+            if c.ident != spec.ident
+            and c.request.units(resource) == size
+            and c.request != spec.request
+        ]
+        if not rivals:  # the usual case: no need to walk the placements
+            return False
         owned = self._owned()
         return any(
-            other.ident != spec.ident
-            and other.ident not in self._claimed
+            other.ident not in self._claimed
             and other.ident not in owned
             and (other.namespace, other.pod, other.container) not in owned
-            and other.request.units(resource) == size
-            and other.request != spec.request
-            for other in candidates
+            for other in rivals
         )
 
     def _owned(self) -> set[tuple[str, ...]]:

@@ -148,7 +148,10 @@ class ReleaseGate:
         return bool(self._missing_since)
 
     def due_in(self, now_s: float) -> float | None:
-        """Seconds until the earliest first sighting may be confirmed (None: none waits)."""
-        if not self._missing_since:
-            return None
-        return max(0.0, min(self._missing_since.values()) + self.grace_s - now_s)
+        """Seconds until the next look may change something: the earliest first
+        sighting can be confirmed, or a hold that is stable can end (None: no
+        such moment is known; the periodic check looks anyway)."""
+        due = [first + self.grace_s for first in self._missing_since.values()]
+        if self.hold_since is not None and self.stable_since is not None:
+            due.append(self.stable_since + self.settle_s)
+        return max(0.0, min(due) - now_s) if due else None

@@ -769,14 +769,15 @@ class PluginService:
             )
 
     def _schedule_followup(self, delay_s: float) -> None:
-        """A placement awaits its second sighting: look again once it is due.
-        (Called by the follow-up itself too: it then schedules the next one.)"""
+        """A placement awaits its second sighting, or a restart hold may end:
+        look again once it is due. (Called by the follow-up itself too: it
+        then schedules the next one.)"""
         if self._closed:
             return
         timer = self._followup_timer
         if timer is not None and timer.is_alive() and timer is not threading.current_thread():
             return  # one is due no later than this sighting's
-        timer = threading.Timer(delay_s + 0.05, self.reconcile, args=("second sighting",))
+        timer = threading.Timer(delay_s + 0.05, self.reconcile, args=("follow-up",))
         timer.daemon = True
         self._followup_timer = timer
         timer.start()
