@@ -103,3 +103,15 @@ def test_a_stable_hold_is_due_to_end_one_settle_period_after_it_became_stable() 
     assert gate.due_in(0.5) is None  # nothing stable yet
     gate.listed(1.0, {"a"}, registered=True)
     assert gate.due_in(4.0) == 7.0
+
+
+def test_a_registration_before_the_restart_was_noticed_on_another_path_counts() -> None:
+    """kubelet.sock re-created and registered at 0.7 s; the List noticed the new
+    pod-resources socket (created at 0.5 s) only at 3.5 s: no new registration
+    is needed, the one at 0.7 s was with the new kubelet."""
+    gate = ReleaseGate(settle_s=10.0)
+    gate.restart(0.6, "kubelet.sock re-created")
+    gate.note_registered(0.7)
+    gate.restart(3.5, "pod-resources socket re-created", started_s=0.5)
+    gate.listed(4.0, {"a"}, registered=True)
+    assert gate.holding(14.0, registered=True) is None

@@ -16,13 +16,17 @@ from tests.integration.conftest_placement import (
     CORE,
     MEM,
     NodeMaker,
+    allocate,
     assert_admitted_ok,
     pl_tmp,
+    plugin_stub,
     sim_node,
     status,
     wait_consistent,
     wait_until,
 )
+from vgpu.core.model import Resource
+from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
 from vgpu.sim.harness import SimNode
 from vgpu.sim.kubelet import Admission
 
@@ -274,3 +278,41 @@ def test_pods_deleted_one_after_another_go_two_seconds_after_each(sim_node: Node
     started = time.monotonic()
     assert wait_until(lambda: not status(node)["containers"], 10.0), node.log()[-3000:]
     assert time.monotonic() - started < 3.0, node.log()[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_pod_half_admitted_before_a_restart_is_admitted_anew_without_waiting(
+    sim_node: NodeMaker,
+) -> None:
+    """The old kubelet allocated the pod's core and stopped before its memory;
+    the new one admits the pod anew and offers those core IDs as free. The
+    half placement is released on that offer, and the pod is matched by its
+    own request at once (not after 2 s per resource by the fallback rule)."""
+    node = sim_node(api=True)
+    pod = node.pod("half", {CORE: 20, MEM: 10})
+    node.create(pod)
+    time.sleep(0.3)
+    available = list(node.kubelet.devices(CORE))
+    channel, stub = plugin_stub(node, Resource.CORE)
+    with channel:
+        reply = stub.GetPreferredAllocation(
+            pb.PreferredAllocationRequest(
+                container_requests=[
+                    pb.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=available, allocation_size=20
+                    )
+                ]
+            ),
+            timeout=10,
+        )
+    allocate(node, Resource.CORE, list(reply.container_responses[0].deviceIDs))
+    restart_kubelet(node)
+    started = time.monotonic()
+    result = node.admit(pod, [CORE, MEM])
+    took = time.monotonic() - started
+    assert_admitted_ok(result)
+    assert not own_limits_problems(result, pod.containers[0].requests)
+    assert took < 1.5, (took, node.log()[-2000:])
+    assert "fallback rule" not in node.log()
+    wait_consistent(node)
+    assert not status_problems(node)

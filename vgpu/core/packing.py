@@ -330,6 +330,16 @@ class Ledger:
             released.append(placement)
         return released
 
+    def release_offered(
+        self, resource: Resource, available: Sequence[str], must_include: Sequence[str] = ()
+    ) -> list[str]:
+        """Release the placements holding IDs the kubelet offers as free (as
+        preferred() does first); the keys released."""
+        known = self._known_map(resource, available)
+        for device_id in must_include:
+            known.pop(DeviceId(device_id), None)
+        return self._release_offered(resource, list(known))
+
     def _release_offered(self, resource: Resource, available: Collection[DeviceId]) -> list[str]:
         """IDs the kubelet offers as free are not held by any live container."""
         offered = set(available)
@@ -346,6 +356,10 @@ class Ledger:
             if placement is not None and placement.ids.get(resource, frozenset()) & offered:
                 self.release(key)
                 released.append(key)
+                if placement.owner is not None:
+                    # Its pod, if still pending, is being admitted anew (e.g. a
+                    # kubelet restart cut its admission short): match it again.
+                    self._claimed.discard((placement.owner.pod_uid, placement.owner.container))
         return released
 
     # ------------------------------------------------------------- choosing

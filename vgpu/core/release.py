@@ -47,8 +47,9 @@ class ReleaseGate:
     grace_s: float = RELEASE_GRACE_S
     hold_since: float | None = None
     hold_why: str = ""
-    # Must the daemon register again (after hold_since) before the hold ends?
+    # Must the daemon register again (after restarted_at) before the hold ends?
     reregister: bool = False
+    restarted_at: float = 0.0  # when the new kubelet started (its socket's age)
     registered_at: float | None = None  # the daemon's last registration
     # The start of the current run of stable answers while held (None: none yet).
     stable_since: float | None = None
@@ -58,11 +59,17 @@ class ReleaseGate:
 
     # ------------------------------------------------------------ the hold
 
-    def restart(self, now_s: float, why: str, reregister: bool = True) -> bool:
+    def restart(
+        self, now_s: float, why: str, reregister: bool = True, started_s: float | None = None
+    ) -> bool:
         """A kubelet (re)start was noticed: hold every release. `reregister`: a
-        new kubelet runs, and the daemon must register with it again. True when
-        a hold begins now (False: one was already in force, and starts over)."""
+        new kubelet runs, and the daemon must have registered with it, i.e.
+        since `started_s` (when it started, if known: a registration may come
+        before the restart is noticed on another path; else now). True when a
+        hold begins now (False: one was already in force, and starts over)."""
         began = self.hold_since is None
+        if reregister:
+            self.restarted_at = now_s if started_s is None else min(started_s, now_s)
         self.reregister = reregister or (self.reregister and not began)
         self.hold_since = now_s
         self.hold_why = why
@@ -82,7 +89,7 @@ class ReleaseGate:
         where that is needed."""
         if not registered or self.hold_since is None or not self.reregister:
             return registered
-        if self.registered_at is not None and self.registered_at >= self.hold_since:
+        if self.registered_at is not None and self.registered_at >= self.restarted_at:
             return True
         return now_s - self.hold_since >= REREGISTER_WAIT_SETTLES * self.settle_s
 

@@ -320,7 +320,9 @@ class PluginService:
 
     # --------------------------------------------------------- admission
 
-    def _candidates(self, resource: Resource, size: int, deadline: float) -> list[Any]:
+    def _candidates(
+        self, resource: Resource, size: int, deadline: float, req: PreferredRequest | None = None
+    ) -> list[Any]:
         """Pods that may be the one being admitted; waits (bounded) for the cache.
 
         The kubelet learns of a pod from the API server at about the time we
@@ -337,6 +339,14 @@ class PluginService:
         with self._lock:
             if not self.ledger.needs_pod_info(resource, size, specs):
                 return specs
+            if req is not None:
+                # A placement whose IDs the kubelet offers as free is dead (e.g. a
+                # pod half-admitted before a kubelet restart, admitted anew now):
+                # its pod is pending again, and must not be waited for in vain.
+                for key in self.ledger.release_offered(resource, req.available, req.must_include):
+                    self._forget(key, "the kubelet offers its IDs as free")
+                if not self.ledger.needs_pod_info(resource, size, specs):
+                    return specs
         if not self.pods.synced() and self._api_degraded:
             return specs
         while True:
@@ -379,7 +389,7 @@ class PluginService:
     def _preferred_one(
         self, resource: Resource, req: PreferredRequest, deadline: float
     ) -> list[str]:
-        candidates = self._candidates(resource, req.size, deadline)
+        candidates = self._candidates(resource, req.size, deadline, req)
         self._attribute_in_flight(candidates)
         blind = self._blind_pairing()
         for attempt in (1, 2):
@@ -725,12 +735,16 @@ class PluginService:
         self._owner_timer = timer
         timer.start()
 
-    def kubelet_restarted(self, why: str, reregister: bool = True) -> None:
+    def kubelet_restarted(
+        self, why: str, reregister: bool = True, age_s: float | None = None
+    ) -> None:
         """A kubelet (re)start was noticed (by any path): hold every release until
         the daemon is registered with the new kubelet and its answers are stable
         for one settle period (vgpu.core.release)."""
+        now = time.monotonic()
+        started = None if age_s is None else now - max(age_s, 0.0)
         with self._lock:
-            began = self.release_gate.restart(time.monotonic(), why, reregister)
+            began = self.release_gate.restart(now, why, reregister, started)
         if began:
             log.warning(
                 "kubelet restart noticed (%s): no placement is released until vgpu is "
@@ -759,10 +773,10 @@ class PluginService:
         before, self._podres_identity = self._podres_identity, identity
         if identity is None or identity == before:
             return
-        if before is not None:
-            self.kubelet_restarted("the kubelet's pod-resources socket was re-created")
-            return
         age_s = time.time() - identity[1] / 1e9
+        if before is not None:
+            self.kubelet_restarted("the kubelet's pod-resources socket was re-created", age_s=age_s)
+            return
         if age_s < self.options.settle_s and self._recovered:
             self.kubelet_restarted(
                 f"the kubelet started {max(age_s, 0.0):.1f} s ago", reregister=False
