@@ -106,6 +106,21 @@ def restart_daemon(node: SimNode) -> None:
     ), node.log()[-2000:]
 
 
+def restart_kubelet(node: SimNode, **window: float) -> None:
+    """Restart the kubelet simulator (KubeletSimulator.restart's windows) and wait
+    until the daemon registered again and both resources have capacity."""
+    registrations = node.registrations()
+    node.kubelet.restart(**window)
+    assert node.kubelet.wait_for(
+        lambda: (
+            node.registrations() > registrations
+            and node.kubelet.capacity(CORE) > 0
+            and node.kubelet.capacity(MEM) > 0
+        ),
+        10,
+    ), node.log()[-3000:]
+
+
 # ------------------------------------------------------------------ direct gRPC
 
 

@@ -20,6 +20,7 @@ from tests.integration.conftest_placement import (
     assert_admitted_ok,
     pl_tmp,
     plugin_stub,
+    restart_kubelet,
     sim_node,
     status,
     wait_consistent,
@@ -99,19 +100,6 @@ def own_limits_problems(result: Admission, asked: dict[str, int]) -> list[str]:
     if {k: len(v) for k, v in record["device_ids"].items() if v} != got:
         problems.append(f"{result.pod.name}: its config holds {record['device_ids']}, not {got}")
     return problems
-
-
-def restart_kubelet(node: SimNode, **window: float) -> None:
-    registrations = node.registrations()
-    node.kubelet.restart(**window)
-    assert node.kubelet.wait_for(
-        lambda: (
-            node.registrations() > registrations
-            and node.kubelet.capacity(CORE) > 0
-            and node.kubelet.capacity(MEM) > 0
-        ),
-        10,
-    ), node.log()[-3000:]
 
 
 @pytest.mark.timeout(90)

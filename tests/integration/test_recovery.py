@@ -27,6 +27,7 @@ from tests.integration.conftest_placement import (
     pl_tmp,
     plugin_stub,
     restart_daemon,
+    restart_kubelet,
     sim_node,
     state_problems,
     status,
@@ -203,16 +204,7 @@ def test_kubelet_restart_keeps_everything(sim_node: NodeMaker) -> None:
     wait_consistent(node)
     ids_before = advertised(node)
     keys_before = {c["key"] for c in status(node)["containers"]}
-    registrations = node.registrations()
-    node.kubelet.restart()
-    assert node.kubelet.wait_for(
-        lambda: (
-            node.registrations() > registrations
-            and node.kubelet.capacity(CORE) > 0
-            and node.kubelet.capacity(MEM) > 0
-        ),
-        10,
-    ), node.log()[-2000:]
+    restart_kubelet(node)
     assert advertised(node) == ids_before
     assert {c["key"] for c in status(node)["containers"]} == keys_before
     whole_card = cards_of(whole.containers[0].device_ids)

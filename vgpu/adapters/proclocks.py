@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from vgpu.adapters import bounded
+
 # About 70,000 locks. Tenants can take locks on files in their containers and so
 # lengthen the file: what lies beyond this is not read (see `read`).
 MAX_BYTES = 4 * 1024 * 1024
@@ -65,19 +67,7 @@ def read(proc_root: Path) -> list[LockOwner]:
 
 def read_bounded(proc_root: Path) -> tuple[list[LockOwner], bool]:
     """The locks of `proc_root`/locks and whether the file went past MAX_BYTES."""
-    fd = os.open(proc_root / "locks", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    try:
-        chunks, size = [], 0
-        while size < MAX_BYTES:
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    finally:
-        os.close(fd)
-    text = b"".join(chunks)
-    truncated = size >= MAX_BYTES
+    text, truncated = bounded.read_bounded(proc_root / "locks", MAX_BYTES, follow=True)
     if truncated:  # the last line may be cut: drop it
         text = text[: text.rfind(b"\n") + 1]
     return parse(text.decode("ascii", "replace")), truncated

@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import os
 import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from vgpu.adapters.bounded import read_bounded
 from vgpu.core.contract import CONFIG_MOUNT
 from vgpu.pb import deviceplugin_v1beta1_pb2 as pb
 
@@ -78,20 +78,10 @@ def read(path: Path) -> list[Entry]:
     """The checkpoint's entries: opened without following a link or blocking,
     read in bounded amounts. OSError when it cannot be read, ValueError when
     it is not a checkpoint."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        chunks, size = [], 0
-        while size <= MAX_CHECKPOINT_BYTES:
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        else:
-            raise ValueError(f"{path} is over {MAX_CHECKPOINT_BYTES} bytes")
-    finally:
-        os.close(fd)
-    return decode(b"".join(chunks))[0]
+    raw, more = read_bounded(path, MAX_CHECKPOINT_BYTES, 1 << 20)
+    if more:
+        raise ValueError(f"{path} is over {MAX_CHECKPOINT_BYTES} bytes")
+    return decode(raw)[0]
 
 
 def mounted_key(entries: Sequence[Entry], ids: Collection[str], state_root: Path) -> str | None:
