@@ -23,6 +23,7 @@ import pytest
 
 from tests.integration.conftest_placement import write_mock
 from vgpu.cli.main import main
+from vgpu.cli.status import collect
 from vgpu.cli.status_cluster import collect_cluster
 from vgpu.core.slicing import parse_device_id
 from vgpu.sim.apiserver import make_pod
@@ -117,11 +118,22 @@ def running(cl: SimCluster, *names: str, timeout_s: float = 20.0) -> None:
 
 
 def cleanup(cl: SimCluster, *names: str) -> None:
+    """Delete the pods; return once every kubelet dropped them and every daemon
+    released their records (about 2 s later: the second sighting)."""
     for name in names:
         cl.delete(name)
     gone = set(names)
     assert cl.wait(
         lambda: not any(p.name in gone for n in cl.nodes.values() for p in n.kubelet.active_pods())
+    )
+    assert cl.wait(
+        lambda: (
+            not any(
+                c["pod"] in gone
+                for n in cl.nodes.values()
+                for c in collect(n.state_dir)["containers"]
+            )
+        )
     )
 
 

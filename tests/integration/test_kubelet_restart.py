@@ -304,3 +304,24 @@ def test_a_pod_half_admitted_before_a_restart_is_admitted_anew_without_waiting(
     assert "fallback rule" not in node.log()
     wait_consistent(node)
     assert not status_problems(node)
+
+
+@pytest.mark.timeout(60)
+def test_a_pod_deleted_a_moment_ago_never_causes_a_wrongful_refusal(
+    sim_node: NodeMaker,
+) -> None:
+    """The one card is held whole; its pod is deleted and, at once, a memory
+    slice asks for the card. The kubelet offers only memory IDs, so the whole
+    placement still counts until its second sighting: vgpu waits for that
+    sighting (at most the 2 s grace) rather than refuse."""
+    node = sim_node("preset:1xH200", api=True, daemon_args=["--reconcile-interval-s", "3600"])
+    whole = node.pod("whole", {CORE: 100})
+    assert_admitted_ok(node.submit(whole))
+    wait_consistent(node)
+    node.delete(whole)
+    started = time.monotonic()
+    result = node.submit(node.pod("after", {MEM: 10}))
+    took = time.monotonic() - started
+    assert_admitted_ok(result)
+    assert took < 2.0 + 1.0, took
+    assert "vgpu: released " in node.log()

@@ -392,7 +392,7 @@ class PluginService:
         candidates = self._candidates(resource, req.size, deadline, req)
         self._attribute_in_flight(candidates)
         blind = self._blind_pairing()
-        for attempt in (1, 2):
+        for attempt in (1, 2, 3):
             try:
                 with self._lock:
                     ids, released = self.ledger.preferred(
@@ -402,8 +402,10 @@ class PluginService:
                         self._forget(key, "the kubelet offers its IDs as free")
                 return list(ids)
             except InsufficientCapacity as exc:
-                if attempt == 2:
+                if attempt == 3:
                     raise  # counted by the gRPC edge (vgpu_calls_total outcome)
+                if attempt == 2 and not self._await_second_sighting():
+                    raise
                 # Re-check with the kubelet first: a pod deleted a moment ago
                 # must not cause a wrongful refusal.
                 if self.reconcile("re-check before refusing") < 0 and self.podresources:
@@ -414,6 +416,20 @@ class PluginService:
                         f"pod-resources socket {self.podresources.socket_path} is mounted"
                     ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _await_second_sighting(self) -> bool:
+        """Before a refusal: a placement the kubelet no longer lists waits for its
+        second sighting (vgpu.core.release); wait for it (at most the grace, and
+        never during a restart hold) so that a pod deleted a moment ago does
+        not cause a wrongful refusal. False when none waits."""
+        with self._lock:
+            if self.release_gate.holding(time.monotonic(), self.registered_now()) is not None:
+                return False
+            due = self.release_gate.due_in(time.monotonic())
+        if due is None or due > self.release_gate.grace_s:
+            return False
+        time.sleep(due + 0.01)
+        return True
 
     def _attribute_in_flight(self, candidates: list[Any]) -> None:
         """An in-flight container placed without pod information, or matched to
