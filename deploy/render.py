@@ -255,6 +255,12 @@ def chart_schema() -> dict[str, Any]:
             "rbac": _obj({"create": BOOL}),
             "kubeletRootDir": ABSOLUTE_PATH,
             "kubeletDevicePluginDir": ABSOLUTE_PATH,
+            "cdiSpecDir": ABSOLUTE_PATH,
+            "apiServer": _obj(
+                {"host": STR, "port": PORT},
+                "KUBERNETES_SERVICE_HOST/PORT in every container when host is set",
+            ),
+            "bindAddress": {"type": "string", "pattern": r"^([0-9]{1,3}\.){3}[0-9]{1,3}$"},
             "daemon": _obj(
                 {
                     **placement,
@@ -264,6 +270,7 @@ def chart_schema() -> dict[str, Any]:
                     "metricsPort": PORT,
                     "hostNetwork": BOOL,
                     "podAnnotations": STRING_MAP,
+                    "mockGpus": {"type": ["array", "null"], "items": {"type": "object"}},
                     "config": _config_schema(),
                 }
             ),
@@ -314,6 +321,7 @@ def chart_schema() -> dict[str, Any]:
                     "timeoutSeconds": {"type": "integer", "minimum": 1, "maximum": 30},
                     "mutate": BOOL,
                     "tlsSans": {"type": "array", "items": STR},
+                    "url": {"type": "string", "pattern": r"^(https://[^/?#]+(/[^?#]*)?)?$"},
                     "excludeNamespaces": {"type": "array", "items": STR},
                     "certManager": _obj(
                         {

@@ -86,6 +86,26 @@ HOST_NETWORK = {
 }
 COMBOS.append(HOST_NETWORK)
 COMBOS.append({"mode": "dra", "kubeletRootDir": K0S_ROOT, "daemon": {"hostNetwork": True}})
+# A cluster reached only on loopback with no kube-proxy (as ../shared/realk8s):
+# the e2e profile's values, with its ${...} filled in.
+MOCK_CARD = {"uuid": "GPU-8f0e3c7a-0000-4000-8000-000000000000", "name": "NVIDIA H200"}
+SANDBOX = {
+    "apiServer": {"host": "127.0.0.1", "port": 6443},
+    "bindAddress": "127.0.0.1",
+    "kubeletRootDir": "/tmp/node/kubelet",
+    "cdiSpecDir": "/tmp/node/cdi",
+    "deviceListStrategy": "cdi",
+    "daemon": {"hostNetwork": True, "mockGpus": [{**MOCK_CARD, "memory_mib": 143771}]},
+    "scheduler": {"hostNetwork": True, "replicas": 1},
+    "webhook": {
+        "hostNetwork": True,
+        "replicas": 1,
+        "url": "https://127.0.0.1:8443",
+        "tlsSans": ["127.0.0.1"],
+    },
+}
+COMBOS.append(SANDBOX)
+COMBOS.append({**SANDBOX, "mode": "dra", "scheduler": {}, "webhook": {}})
 COMBO_IDS = [json.dumps(c, separators=(",", ":")) for c in COMBOS]
 RENDERED = {cid: render(c) for cid, c in zip(COMBO_IDS, COMBOS, strict=True)}
 
@@ -458,6 +478,12 @@ BAD_VALUES = [
     ({"kubeletDevicePluginDir": ""}, "kubeletDevicePluginDir"),
     ({"webhook": {"hostNetwork": "yes"}}, "hostNetwork"),
     ({"scheduler": {"kubeScheduler": {"securePort": 0}}}, "securePort"),
+    ({"webhook": {"url": "http://127.0.0.1:8443"}}, "url"),
+    ({"bindAddress": "localhost"}, "bindAddress"),
+    ({"cdiSpecDir": "run/cdi"}, "cdiSpecDir"),
+    ({"apiServer": {"hostname": "127.0.0.1"}}, "hostname"),
+    ({"apiServer": {"host": "127.0.0.1", "port": 0}}, "port"),
+    ({"daemon": {"mockGpus": "preset:2xH200"}}, "mockGpus"),
 ]
 
 
@@ -745,6 +771,8 @@ def test_the_leader_election_lease_belongs_to_the_release() -> None:
         ("pod_resources_socket", "/k/pod-resources/kubelet.sock", "kubeletRootDir"),
         ("kubelet_registry_dir", "/k/plugins_registry", "kubeletRootDir"),
         ("kubelet_plugin_dir", "/k/plugins/vgpu.vendor.io", "kubeletRootDir"),
+        ("cdi_dir", "/etc/cdi", "cdiSpecDir"),
+        ("metrics_address", "127.0.0.1:9400", "bindAddress"),
     ],
 )
 def test_config_keys_the_chart_owns_are_refused_with_the_value_to_use(
@@ -1023,3 +1051,136 @@ def test_config_comment_says_where_metrics_listen() -> None:
     assert "(no hostNetwork)" in comment({})
     on = comment({"daemon": {"hostNetwork": True}})
     assert "(no hostNetwork)" not in on and "every address of the node" in on
+
+
+# ------------------------------------- a cluster without kube-proxy or pod network
+
+
+def _containers(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {
+        (o["metadata"]["name"], c["name"]): c
+        for o in objects
+        if o["kind"] in ("DaemonSet", "Deployment")
+        for c in o["spec"]["template"]["spec"]["containers"]
+    }
+
+
+@pytest.mark.parametrize("mode", ["device-plugin", "dra"])
+def test_api_server_address_reaches_every_container(mode: str) -> None:
+    containers = _containers(
+        render({"mode": mode, "apiServer": {"host": "10.1.2.3", "port": 6443}})
+    )
+    assert len(containers) == (4 if mode == "device-plugin" else 1)
+    for where, c in containers.items():
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        # A container's own env wins over the kubelet's service variables.
+        assert env["KUBERNETES_SERVICE_HOST"] == "10.1.2.3", where
+        assert env["KUBERNETES_SERVICE_PORT"] == "6443", where
+    for where, c in _containers(render({"mode": mode})).items():
+        names = {e["name"] for e in c.get("env", [])}
+        assert not names & {"KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"}, where
+
+
+@pytest.mark.parametrize("url", ["https://127.0.0.1:8443", "https://hooks.example/vgpu/"])
+def test_webhook_url_replaces_the_service_in_both_configurations(url: str) -> None:
+    objects = render({"webhook": {"url": url}})
+    base = url.rstrip("/")
+    for kind, path in (
+        ("MutatingWebhookConfiguration", "/mutate"),
+        ("ValidatingWebhookConfiguration", "/validate"),
+    ):
+        (hook,) = one(objects, kind)["webhooks"]
+        assert hook["clientConfig"] == {"url": base + path}, kind
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        (hook,) = one(render({}), kind)["webhooks"]
+        assert hook["clientConfig"]["service"]["name"] == "vgpu-webhook"
+        assert "url" not in hook["clientConfig"]
+
+
+def test_bind_address_reaches_every_listener() -> None:
+    def listeners(values: dict[str, Any]) -> list[str]:
+        objects = render(values)
+        daemon = yaml.safe_load(one(objects, "ConfigMap", "vgpu-config")["data"]["config.yaml"])
+        data = one(objects, "ConfigMap", "vgpu-scheduler-config")["data"]
+        ext = yaml.safe_load(data["extender.yaml"])
+        containers = _containers(objects)
+        webhook = containers[("vgpu-webhook", "webhook")]["args"]
+        scheduler = containers[("vgpu-scheduler", "kube-scheduler")]["command"]
+        return [
+            daemon["metrics_address"],
+            ext["metrics_address"],
+            next(a for a in webhook if a.startswith("--listen=")),
+            next(a for a in scheduler if a.startswith("--bind-address=")),
+        ]
+
+    assert listeners({}) == [
+        "0.0.0.0:9400",
+        "0.0.0.0:9401",
+        "--listen=0.0.0.0:8443",
+        "--bind-address=0.0.0.0",
+    ]
+    assert listeners({"bindAddress": "127.0.0.1"}) == [
+        "127.0.0.1:9400",
+        "127.0.0.1:9401",
+        "--listen=127.0.0.1:8443",
+        "--bind-address=127.0.0.1",
+    ]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{"mode": "dra"}, {"deviceListStrategy": "cdi"}],
+    ids=["dra", "cdi-strategy"],
+)
+def test_cdi_spec_dir_moves_the_hostpath_and_the_config(
+    values: dict[str, Any], tmp_path: Path
+) -> None:
+    objects = render({**values, "cdiSpecDir": "/tmp/node/cdi"})
+    host, mounted = _daemon_paths(objects)
+    assert host["cdi"] == mounted["cdi"] == "/tmp/node/cdi"
+    assert _daemon_settings(objects, tmp_path).cdi_dir == Path("/tmp/node/cdi")
+    host, mounted = _daemon_paths(render(values))
+    assert host["cdi"] == mounted["cdi"] == "/var/run/cdi"
+    assert "cdi" not in _daemon_paths(render({}))[0]
+
+
+def test_mock_gpus_value_puts_the_card_file_in_the_configmap(tmp_path: Path) -> None:
+    from vgpu.adapters.gpus import parse_mock
+
+    cards = [
+        {**MOCK_CARD, "memory_mib": 143771, "process_utilization": {}},
+        {
+            "uuid": "GPU-8f0e3c7a-0000-4000-8000-000000000001",
+            "name": "NVIDIA H200",
+            "memory_mib": 143771,
+            "healthy": False,
+        },
+    ]
+    objects = render({"daemon": {"mockGpus": cards}})
+    data = one(objects, "ConfigMap", "vgpu-config")["data"]
+    settings = _daemon_settings(objects, tmp_path)
+    assert settings.backend == "mock"
+    # the ConfigMap is mounted at /etc/vgpu: the file is there
+    assert str(settings.mock_gpus) == "/etc/vgpu/mock-gpus.yaml"
+    parsed = parse_mock(yaml.safe_load(data["mock-gpus.yaml"]), "mock-gpus.yaml")
+    assert [(c.uuid, c.memory_mib, c.healthy) for c in parsed] == [
+        (cards[0]["uuid"], 143771, True),
+        (cards[1]["uuid"], 143771, False),
+    ]
+    assert "mock-gpus.yaml" not in one(render({}), "ConfigMap", "vgpu-config")["data"]
+
+
+def test_the_e2e_profile_passes_the_schema(monkeypatch: pytest.MonkeyPatch) -> None:
+    # tests/e2e/profiles/realk8s.yaml is chart values only: it renders with them
+    from tests.e2e.cluster import Cluster, Profile
+
+    monkeypatch.setenv("VGPU_E2E_APISERVER_PORT", "6443")
+    monkeypatch.setenv("VGPU_E2E_KUBELET_ROOT_DIR", "/tmp/node/kubelet")
+    monkeypatch.setenv("VGPU_E2E_CDI_DIR", "/tmp/node/cdi")
+    profile = Profile.load(str(ROOT / "tests" / "e2e" / "profiles" / "realk8s.yaml"))
+    values = Cluster(kubeconfig="-", image="vgpu:dev", profile=profile).values()
+    helm_python.Chart.load(CHART).validate_schema(values)
+    containers = _containers(render(values))
+    for where, c in containers.items():
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        assert env.get("KUBERNETES_SERVICE_PORT") == "6443", where

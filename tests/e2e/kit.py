@@ -329,3 +329,16 @@ def device_plugin_socket_live() -> bool:
     finally:
         s.close()
     return True
+
+
+def exec_sections(stdout: str) -> dict[str, list[str]]:
+    """The output of an exec script that prints `@@name` before each part, by part."""
+    sections: dict[str, list[str]] = {}
+    current = ""
+    for line in stdout.splitlines():
+        if line.startswith("@@"):
+            current = line[2:]
+            sections[current] = []
+        elif current:
+            sections[current].append(line)
+    return sections

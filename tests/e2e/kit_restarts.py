@@ -43,6 +43,7 @@ from tests.e2e.kit import (
     SetupError,
     _on_signal,
     device_plugin_socket_live,
+    exec_sections,
     now_s,
     our_processes,
     signals_deferred,
@@ -394,14 +395,7 @@ def exec_pod(kit: Kit, name: str) -> dict[str, Any]:
     )
     if done.returncode != 0:
         return {"exec_error": (done.stderr or done.stdout).strip()[:500]}
-    sections: dict[str, list[str]] = {}
-    current = ""
-    for line in done.stdout.splitlines():
-        if line.startswith("@@"):
-            current = line[2:]
-            sections[current] = []
-        elif current:
-            sections[current].append(line)
+    sections = exec_sections(done.stdout)
     env = dict(ln.split("=", 1) for ln in sections.get("env", []) if "=" in ln)
     got: dict[str, Any] = {
         "env": {k: v for k, v in env.items() if k.startswith(("VGPU_", "NVIDIA_", "LD_PRELOAD"))},

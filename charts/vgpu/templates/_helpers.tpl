@@ -138,6 +138,9 @@ kubelet's --root-dir; the device-plugin directory does not (see values.yaml). */
 {{- define "vgpu.pluginsRegistryDir" -}}
 {{- include "vgpu.kubeletRootDir" . }}/plugins_registry
 {{- end -}}
+{{- define "vgpu.cdiSpecDir" -}}
+{{- .Values.cdiSpecDir | trimSuffix "/" -}}
+{{- end -}}
 {{- define "vgpu.draPluginDir" -}}
 {{- include "vgpu.kubeletRootDir" . }}/plugins/vgpu.{{ .Values.resourceDomain }}
 {{- end -}}
@@ -151,4 +154,35 @@ kubelet's --root-dir; the device-plugin directory does not (see values.yaml). */
 # such pods.
 hostNetwork: true
 dnsPolicy: ClusterFirstWithHostNet
+{{- end -}}
+
+
+{{/* KUBERNETES_SERVICE_HOST/PORT for every container, where apiServer.host is
+set: in-cluster clients (vgpu, kube-scheduler) then dial that address instead
+of the `kubernetes` Service's, for clusters without kube-proxy (or where a pod
+cannot reach Service IPs). A container's own env wins over the kubelet's
+service variables. Renders nothing by default. */}}
+{{- define "vgpu.apiServerEnv" -}}
+{{- with .Values.apiServer.host }}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ . | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ $.Values.apiServer.port | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* A webhook's clientConfig: the Service by default, or webhook.url + path
+(the API server dials that URL: a webhook on the host network where no Service
+routes to it). (dict "root" $ "path" "/mutate") */}}
+{{- define "vgpu.webhookClientConfig" -}}
+{{- $w := .root.Values.webhook -}}
+{{- if $w.url }}
+url: {{ printf "%s%s" ($w.url | trimSuffix "/") .path | quote }}
+{{- else }}
+service:
+  name: {{ include "vgpu.webhookName" .root }}
+  namespace: {{ .root.Release.Namespace }}
+  path: {{ .path }}
+  port: 443
+{{- end }}
 {{- end -}}
