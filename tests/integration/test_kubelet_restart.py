@@ -325,3 +325,28 @@ def test_a_pod_deleted_a_moment_ago_never_causes_a_wrongful_refusal(
     assert_admitted_ok(result)
     assert took < 2.0 + 1.0, took
     assert "vgpu: released " in node.log()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("refusal", ["invalid", "no-room"])
+def test_a_refused_pod_is_never_taken_for_the_next_one(sim_node: NodeMaker, refusal: str) -> None:
+    """A pod refused at admission stays Pending in the API server until the
+    kubelet's Failed reaches it (here: never). The next pod asking the same
+    core is matched to itself, not to the refused one: it gets its own
+    verdict and its own limits."""
+    node = sim_node(api=True)
+    if refusal == "no-room":
+        # 10 core and 61 memory units left on each card.
+        assert_admitted_ok(node.submit(node.pod("big", {CORE: 90, MEM: 500}), [CORE, MEM]))
+        assert_admitted_ok(node.submit(node.pod("big2", {CORE: 90, MEM: 500}), [CORE, MEM]))
+    refused = node.pod("refused", {CORE: 10} if refusal == "invalid" else {CORE: 10, MEM: 300})
+    node.create(refused)
+    time.sleep(0.3)
+    first = node.kubelet.admit(refused, [CORE, MEM])  # not marked Failed in the API server
+    assert not first.ok
+    later = node.pod("later", {CORE: 10, MEM: 8})
+    node.create(later)
+    time.sleep(0.3)
+    result = node.admit(later, [CORE, MEM])
+    assert_admitted_ok(result)
+    assert not own_limits_problems(result, later.containers[0].requests)

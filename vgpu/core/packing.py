@@ -129,6 +129,8 @@ class Ledger:
         self._pending: _Pending | None = None
         # (pod uid, resource) of a reuse that came before its container's first call.
         self._reused_first: tuple[str, Resource] | None = None
+        # The container the last new-container call matched (note_refused()).
+        self._refusing: tuple[str, str] | None = None
         self._claimed: set[tuple[str, str]] = set()
         # Placements the kubelet is known to have recorded (listed once, or
         # recovered from an earlier run): no grace once it stops listing them.
@@ -538,9 +540,16 @@ class Ledger:
 
         # A new container.
         previous, self._pending = self._pending, None
+        self._refusing = spec.ident if spec is not None else None
         if spec is not None:
             request = spec.request
-            fit.check_container(spec, self.domain, self.memory_unit_mib)
+            try:
+                fit.check_container(spec, self.domain, self.memory_unit_mib)
+            except InvalidRequest:
+                # Refused for good (the kubelet fails the pod, and never asks
+                # again): it is not the container of any later call.
+                self._claimed.add(spec.ident)
+                raise
         else:
             request = (
                 Request(core_percent=size)
@@ -683,6 +692,14 @@ class Ledger:
             placement = self.placements[pending.key]
             if placement.owner is None or placement.owner.pod_uid != spec.pod_uid:
                 self.placements[pending.key] = replace(placement, owner=spec.owner())
+
+    def note_refused(self) -> None:
+        """The daemon refused the last new-container call for good (after its
+        re-checks): the kubelet fails that pod and never asks again, so the
+        container it matched is no later call's."""
+        if self._refusing is not None:
+            self._claimed.add(self._refusing)
+            self._refusing = None
 
     def awaits_more(self, key: str) -> bool:
         """Is `key` the in-flight container whose pod asks another resource still

@@ -402,10 +402,11 @@ class PluginService:
                         self._forget(key, "the kubelet offers its IDs as free")
                 return list(ids)
             except InsufficientCapacity as exc:
-                if attempt == 3:
+                final = attempt == 3 or (attempt == 2 and not self._await_second_sighting())
+                if final:
+                    with self._lock:
+                        self.ledger.note_refused()
                     raise  # counted by the gRPC edge (vgpu_calls_total outcome)
-                if attempt == 2 and not self._await_second_sighting():
-                    raise
                 # Re-check with the kubelet first: a pod deleted a moment ago
                 # must not cause a wrongful refusal.
                 if self.reconcile("re-check before refusing") < 0 and self.podresources:
