@@ -138,9 +138,9 @@ class Cluster:
     def from_env(cls) -> Cluster:
         c = cls(
             kubeconfig=os.environ["VGPU_E2E_KUBECONFIG"],
-            image=os.environ.get("VGPU_E2E_IMAGE", "ghcr.io/vgpu-project/vgpu:0.1.0"),
+            image=os.environ.get("VGPU_E2E_IMAGE") or "ghcr.io/vgpu-project/vgpu:0.1.0",
             profile=Profile.load(os.environ.get("VGPU_E2E_PROFILE")),
-            kubectl_bin=os.environ.get("VGPU_E2E_KUBECTL", "kubectl"),
+            kubectl_bin=os.environ.get("VGPU_E2E_KUBECTL") or "kubectl",
         )
         c.node = os.environ.get("VGPU_E2E_NODE") or c.profile.node or c._only_node()
         return c
