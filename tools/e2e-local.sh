@@ -41,11 +41,15 @@ fi
 if [ "${SKIP_BUILD:-0}" != 1 ] || [ -z "$(buildah images -q "$IMAGE" 2>/dev/null)" ]; then
   log "building $IMAGE (buildah bud, as docs/install.md says)"
   printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > "$OUT/pip.conf"
+  old_id="$(buildah images -q --no-trunc "$IMAGE" 2>/dev/null | head -1)"
   ( cd "$REPO" && buildah bud \
       -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro \
       -v "$OUT/pip.conf:/etc/pip.conf:ro" \
       -t "$IMAGE" . ) > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log" >&2; exit 2; }
   log "built in $((SECONDS - T0)) s"
+  # the image this build replaced (untagged now), and only that one
+  new_id="$(buildah images -q --no-trunc "$IMAGE" | head -1)"
+  if [ -n "$old_id" ] && [ "$old_id" != "$new_id" ]; then buildah rmi "$old_id" > /dev/null 2>&1 || true; fi
 fi
 buildah push -q "$(buildah images -q --no-trunc "$IMAGE" | head -1)" \
   "docker-archive:$OUT/images/vgpu.tar:$IMAGE"
