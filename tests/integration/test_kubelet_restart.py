@@ -7,6 +7,7 @@ and kubelet.sock is re-created a moment later."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -350,3 +351,23 @@ def test_a_refused_pod_is_never_taken_for_the_next_one(sim_node: NodeMaker, refu
     result = node.admit(later, [CORE, MEM])
     assert_admitted_ok(result)
     assert not own_limits_problems(result, later.containers[0].requests)
+
+
+@pytest.mark.timeout(60)
+def test_a_list_that_fails_while_the_kubelet_is_down_is_retried_at_once(
+    sim_node: NodeMaker,
+) -> None:
+    """The old kubelet is gone 1 s before the new one serves, and the List made
+    after an admission fails in that second. vgpu looks again a second later,
+    so the hold ends one settle period (here 5 s) after the new kubelet
+    answers, not after the next periodic check (up to 5 s later still)."""
+    node = sim_node(api=True, daemon_args=["--reconcile-interval-s", "5"])
+    assert_admitted_ok(node.submit(node.pod("before", {CORE: 10, MEM: 10})))
+    restart = threading.Thread(target=node.kubelet.restart, kwargs={"down_s": 1.0})
+    started = time.monotonic()
+    restart.start()
+    restart.join(10)
+    assert node.wait(lambda: "releases resume" in node.log(), 15), node.log()[-3000:]
+    took = time.monotonic() - started
+    assert "stopped answering" in node.log()
+    assert took < 1.0 + 1.0 + 5.0 + 1.0, (took, node.log()[-3000:])

@@ -54,6 +54,7 @@ from vgpu.core.reuse import Holder, KubeletListing, judge_holder
 log = logging.getLogger("vgpu")
 
 OWNER_SYNC_DELAY_S = 0.3
+LIST_RETRY_S = 1.0  # a pod-resources List that failed after answering is retried this soon
 ANNOTATE_RETRY_S = 30.0  # re-queue a pod annotation the cache does not show after this
 EMPTY_ANSWER = ContainerEdits(envs={})  # a container's second answer that adds nothing
 
@@ -833,10 +834,13 @@ class PluginService:
             with self._lock:
                 self.release_gate.list_failed(time.monotonic())
             if self._podres_answered:
-                # It answered before: the kubelet is stopping or restarting.
+                # It answered before: the kubelet is stopping or restarting. Look
+                # again in a second (not at the next periodic check), so that the
+                # new kubelet's answers start counting as soon as it serves.
                 self.kubelet_restarted(
                     f"the kubelet's pod-resources API stopped answering: {exc}", reregister=False
                 )
+                self._schedule_followup(LIST_RETRY_S)
             if not self._podres_warned:
                 log.warning(
                     "pod-resources API unavailable (%s); finished pods are noticed "

@@ -484,8 +484,12 @@ class KubeletSimulator:
         podres_blank_s: float = 0.0,
         podres_partial_s: float = 0.0,
         register_delay_s: float = 0.0,
+        down_s: float = 0.0,
     ) -> None:
         """Behave like a starting kubelet (as a real kubelet 1.36 does it, KUBELET.md).
+
+        `down_s`: the old kubelet is gone this long before the new one serves
+        (nothing answers on the pod-resources socket meanwhile).
 
         Stops serving, closes every plugin connection and stream, and serves its
         pod-resources API again on a re-created socket at once: for
@@ -500,10 +504,14 @@ class KubeletSimulator:
         The restart comes between two admissions (one under way finishes first).
         """
         with self._admit_lock:
-            self._restart(podres_blank_s, podres_partial_s, register_delay_s)
+            self._restart(podres_blank_s, podres_partial_s, register_delay_s, down_s)
 
     def _restart(
-        self, podres_blank_s: float, podres_partial_s: float, register_delay_s: float
+        self,
+        podres_blank_s: float,
+        podres_partial_s: float,
+        register_delay_s: float,
+        down_s: float = 0.0,
     ) -> None:
         with self._lock:
             self._epoch += 1
@@ -515,6 +523,8 @@ class KubeletSimulator:
             self._pr_server = None
             self._forget_devices()
         self._shutdown(conns, servers)
+        if down_s > 0:
+            time.sleep(down_s)
         now = time.monotonic()
         with self._lock:
             self._podres_blank_until = now + podres_blank_s
