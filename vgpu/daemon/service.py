@@ -862,6 +862,7 @@ class PluginService:
         released_count = 0
         annotate: dict[tuple[str, str], None] = {}
         alive = self.pods.alive() if self.pods.enabled else None
+        recorded = self._checkpointed_ids(live)  # off the lock: it reads a file
         with self._lock:
             now = time.monotonic()
             registered = self.registered_now()
@@ -884,7 +885,10 @@ class PluginService:
                 # the set does not grow with every pod the node ever ran.
                 self.ledger.prune_claims({s.ident for s in self.pods.candidates()})
             gone = self._gone_pods()
-            self._settle_from_checkpoint(live)
+            if recorded:
+                self.ledger.mark_settled(
+                    p.key for p in self.ledger.placements.values() if p.all_ids() & recorded
+                )
             asked: set[str] = set()
 
             def may_release(placement: Placement) -> bool:
@@ -1003,26 +1007,31 @@ class PluginService:
             created_s=self.clock(),
         )
 
-    def _settle_from_checkpoint(self, live: set[DeviceId]) -> None:
+    def _checkpointed_ids(self, live: set[DeviceId]) -> set[str]:
         """Placements the kubelet has never listed are kept 30 s (our answer may
         not have reached it). Its checkpoint, rewritten after every allocation,
-        says whether it did: one that holds their IDs settles them, so they go
-        by the usual rules once their pod does (a restart may have hidden them
-        from every List while they ran). Read only when there are such
-        placements. Called under the lock."""
-        waiting = [
-            p
-            for p in self.ledger.placements.values()
-            if not self.ledger.is_settled(p.key) and not p.all_ids() & live
-        ]
-        if not waiting or self.kubelet_checkpoint is None:
-            return
+        says whether it did: the IDs it records settle them, so they go by the
+        usual rules once their pod does (a restart may have hidden them from
+        every List while they ran). Read only when a placement older than the
+        grace (a young one is listed as usual) was never listed; not under the
+        lock (a checkpoint is megabytes on a big node)."""
+        if self.kubelet_checkpoint is None:
+            return set()
+        now_s = self.clock()
+        with self._lock:
+            waiting = any(
+                not self.ledger.is_settled(p.key)
+                and now_s - p.created_s >= self.release_gate.grace_s
+                and not p.all_ids() & live
+                for p in self.ledger.placements.values()
+            )
+        if not waiting:
+            return set()
         try:
             entries = checkpoint.read(self.kubelet_checkpoint)
         except (OSError, ValueError):
-            return
-        recorded = {d for e in entries for d in e.ids()}
-        self.ledger.mark_settled(p.key for p in waiting if p.all_ids() & recorded)
+            return set()
+        return {d for e in entries for d in e.ids()}
 
     def _mounted_key(self, ids: frozenset[DeviceId]) -> str | None:
         """The key the kubelet's checkpoint says the container holding `ids`
