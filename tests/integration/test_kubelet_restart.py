@@ -371,3 +371,20 @@ def test_a_list_that_fails_while_the_kubelet_is_down_is_retried_at_once(
     took = time.monotonic() - started
     assert "stopped answering" in node.log()
     assert took < 1.0 + 1.0 + 5.0 + 1.0, (took, node.log()[-3000:])
+
+
+@pytest.mark.timeout(60)
+def test_a_hold_ends_one_settle_period_after_the_new_kubelet_answers(
+    sim_node: NodeMaker,
+) -> None:
+    """The restart is noticed (kubelet.sock re-created) between two periodic
+    checks 5 s apart: vgpu looks again a second later instead of waiting for
+    the next one, so the hold ends about one settle period (5 s) after it."""
+    node = sim_node(api=True, daemon_args=["--reconcile-interval-s", "5"])
+    assert_admitted_ok(node.submit(node.pod("before", {CORE: 10, MEM: 10})))
+    time.sleep(1.0)  # just after the learn-owners look: the periodic one is 4 s off
+    started = time.monotonic()
+    restart_kubelet(node, register_delay_s=0.2)
+    assert node.wait(lambda: "releases resume" in node.log(), 20), node.log()[-3000:]
+    took = time.monotonic() - started
+    assert took < 0.5 + 1.0 + 5.0 + 1.0, (took, node.log()[-3000:])

@@ -771,11 +771,17 @@ class PluginService:
                 self.options.settle_s,
             )
             self.events("kubelet_restart", {"why": why})
+        # Look again soon: the settle period counts from the first answer after
+        # the registration, which must not wait for the next periodic check.
+        self._schedule_followup(LIST_RETRY_S)
 
     def plugin_registered(self) -> None:
         """The composition root registered both resources with the kubelet."""
         with self._lock:
             self.release_gate.note_registered(time.monotonic())
+            held = self.release_gate.hold_since is not None
+        if held:
+            self._schedule_followup(LIST_RETRY_S)
 
     def holding_releases(self) -> str | None:
         """Why releases are held now (a kubelet restart), or None."""
@@ -840,7 +846,6 @@ class PluginService:
                 self.kubelet_restarted(
                     f"the kubelet's pod-resources API stopped answering: {exc}", reregister=False
                 )
-                self._schedule_followup(LIST_RETRY_S)
             if not self._podres_warned:
                 log.warning(
                     "pod-resources API unavailable (%s); finished pods are noticed "
