@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import re
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -90,25 +91,31 @@ def _commands_of(text: str) -> list[list[str]]:
     return [c for c in commands if c]
 
 
+def _code_lines(page: Path, langs: tuple[str, ...] | None = None) -> Iterator[str]:
+    """The command lines of the page's code blocks (of `langs` only, when given),
+    continuation lines joined and a `$ ` prompt removed."""
+    lang, in_code, pending = "", False, ""
+    for line in page.read_text().splitlines():
+        fence = FENCE.match(line.strip())
+        if fence:
+            in_code, pending = not in_code, ""
+            lang = fence.group(1) if in_code else ""
+            continue
+        if not in_code or (langs is not None and lang not in langs):
+            continue
+        text = pending + line.strip()
+        if text.endswith("\\"):
+            pending = text[:-1] + " "
+            continue
+        pending = ""
+        yield text.removeprefix("$ ")
+
+
 def _vgpu_commands() -> list[tuple[str, str]]:
     """Every `vgpu ...` command line in a shell block of the docs."""
     commands = []
     for page in PAGES:
-        lang, in_code, pending = "", False, ""
-        for line in page.read_text().splitlines():
-            fence = FENCE.match(line.strip())
-            if fence:
-                in_code = not in_code
-                lang = fence.group(1) if in_code else ""
-                continue
-            if not in_code or lang not in ("sh", "bash", "console", ""):
-                continue
-            text = pending + line.strip()
-            if text.endswith("\\"):
-                pending = text[:-1] + " "
-                continue
-            pending = ""
-            text = text.removeprefix("$ ")
+        for text in _code_lines(page, ("sh", "bash", "console", "")):
             for words in _commands_of(text):
                 if "--" in words:  # kubectl exec ... -- vgpu status
                     words = words[words.index("--") + 1 :]
@@ -156,18 +163,7 @@ def test_readme_stays_short_and_points_at_every_docs_page() -> None:
 def _helm_commands(page: Path) -> list[list[str]]:
     """Every `helm install|upgrade|template` command line in the page's shell blocks."""
     found: list[list[str]] = []
-    in_code, pending = False, ""
-    for line in page.read_text().splitlines():
-        if FENCE.match(line.strip()):
-            in_code, pending = not in_code, ""
-            continue
-        if not in_code:
-            continue
-        text = pending + line.strip()
-        if text.endswith("\\"):
-            pending = text[:-1] + " "
-            continue
-        pending = ""
+    for text in _code_lines(page):
         for words in _commands_of(text):
             if words[:1] == ["helm"] and words[1:2] in (["install"], ["upgrade"], ["template"]):
                 found.append(words)

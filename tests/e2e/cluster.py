@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from tests.e2e.kit import exec_sections
+from tests.e2e.kit import exec_sections, run_kubectl
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "vgpu"
@@ -150,16 +150,7 @@ class Cluster:
     def kubectl(
         self, *args: str, stdin: str | None = None, timeout_s: float = 60, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [self.kubectl_bin, "--kubeconfig", self.kubeconfig, *args],
-            input=stdin,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-        if check and done.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
-        return done
+        return run_kubectl(self.kubectl_bin, self.kubeconfig, args, stdin, timeout_s, check)
 
     def get(self, *args: str) -> Any:
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)

@@ -242,16 +242,7 @@ class Kit:
         self, *args: str, stdin: str | None = None, timeout_s: float = 30, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
         kubectl = self.node.get("KUBECTL") or str(Path(self.cp["K8S_BIN"]) / "kubectl")
-        done = subprocess.run(
-            [kubectl, "--kubeconfig", self.kubeconfig, *args],
-            input=stdin,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-        if check and done.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
-        return done
+        return run_kubectl(kubectl, self.kubeconfig, args, stdin, timeout_s, check)
 
     def restart_component(self, name: str) -> dict[str, Any]:
         """SIGTERM the node's kubelet or containerd, wait for it to exit, start it
@@ -288,6 +279,27 @@ class Kit:
             down_s=now_s() - t_signal,
         )
         return info
+
+
+def run_kubectl(
+    kubectl: str,
+    kubeconfig: str,
+    args: Sequence[str],
+    stdin: str | None = None,
+    timeout_s: float = 30,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """kubectl with this kubeconfig; RuntimeError naming the command on failure (`check`)."""
+    done = subprocess.run(
+        [kubectl, "--kubeconfig", kubeconfig, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if check and done.returncode != 0:
+        raise RuntimeError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
+    return done
 
 
 def wait_for(what: str, cond: Callable[[], bool], timeout_s: float, step_s: float = 0.25) -> float:
