@@ -532,6 +532,18 @@ def install_preload_file(hook: Path) -> Path:
     return target
 
 
+def socket_identity(path: Path) -> tuple[int, int] | None:
+    """(inode, change time in ns) of a Unix socket file, None when `path` is not
+    one: a server that re-creates its socket (a restarted kubelet) changes it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode):
+        return None
+    return (st.st_ino, st.st_ctime_ns)
+
+
 class PluginDirWatcher:
     """Notices a kubelet restart: kubelet.sock recreated or one of our sockets gone.
 
@@ -552,13 +564,7 @@ class PluginDirWatcher:
         self.interval_s = interval_s
 
     def kubelet_identity(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.plugin_dir / "kubelet.sock")
-        except OSError:
-            return None
-        if not stat.S_ISSOCK(st.st_mode):
-            return None
-        return (st.st_ino, st.st_ctime_ns)
+        return socket_identity(self.plugin_dir / "kubelet.sock")
 
     def run(
         self, stop: threading.Event, registered_with: Callable[[], tuple[int, int] | None]

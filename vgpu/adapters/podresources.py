@@ -6,13 +6,12 @@ so it is the truth for recovery and for learning who owns a placement.
 
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from vgpu.adapters.fs import socket_identity
 from vgpu.core.model import DeviceId
 from vgpu.core.reuse import KubeletListing
 from vgpu.pb import podresources_v1_pb2 as pr
@@ -59,16 +58,6 @@ class PodResourcesClient:
         # kubelet re-creates the socket, so a change means it restarted.
         self.last_identity: tuple[int, int] | None = None
 
-    def identity(self) -> tuple[int, int] | None:
-        """(inode, change time in ns) of the socket file; None when it is not a socket."""
-        try:
-            st = os.stat(self.socket_path)
-        except OSError:
-            return None
-        if not stat.S_ISSOCK(st.st_mode):
-            return None
-        return (st.st_ino, st.st_ctime_ns)
-
     def _stub(self) -> pr_grpc.PodResourcesListerStub:
         if self._channel is None:
             self._channel = grpc.insecure_channel(
@@ -77,11 +66,8 @@ class PodResourcesClient:
             )
         return pr_grpc.PodResourcesListerStub(self._channel)  # type: ignore[no-untyped-call]
 
-    def available(self) -> bool:
-        return self.socket_path.exists()
-
     def _list(self) -> pr.ListPodResourcesResponse:
-        identity = self.identity()
+        identity = socket_identity(self.socket_path)
         if identity is None:
             raise PodResourcesUnavailable(f"{self.socket_path} does not exist")
         if identity != self.last_identity and self._channel is not None:

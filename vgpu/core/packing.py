@@ -982,17 +982,15 @@ class Ledger:
             # The container's first resource: the other's limit comes from its
             # pod spec when known, so both Allocate answers say the same. A
             # guessed spec's never: the answer says what the kubelet allocated.
-            known_spec = pending is not None and pending.spec is not None and not pending.guessed
-            request = pending.request if pending is not None and known_spec else Request()
+            known = pending.spec if pending is not None and not pending.guessed else None
+            request = known.request if known is not None else Request()
             placement = Placement(
                 key=self._fresh_key(ids),
                 cards=cards,
                 ids={resource: ids},
                 core_percent=0,
                 memory_mib=0,
-                owner=pending.spec.owner()
-                if pending is not None and known_spec and pending.spec
-                else None,
+                owner=known.owner() if known is not None else None,
                 created_s=now_s,
             )
             other_core, other_mem = request.core_percent, request.memory_units

@@ -55,7 +55,7 @@ class ReleaseGate:
     stable_since: float | None = None
     _last_listed: frozenset[Hashable] | None = None
     _missing_since: dict[str, float] = field(default_factory=dict)
-    holds: int = 0  # how many holds began (status, tests)
+    holds: int = 0  # how many holds began
 
     # ------------------------------------------------------------ the hold
 

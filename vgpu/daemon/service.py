@@ -425,7 +425,7 @@ class PluginService:
         never during a restart hold) so that a pod deleted a moment ago does
         not cause a wrongful refusal. False when none waits."""
         with self._lock:
-            if self.release_gate.holding(time.monotonic(), self.registered_now()) is not None:
+            if self.holding_releases() is not None:
                 return False
             due = self.release_gate.due_in(time.monotonic())
         if due is None or due > self.release_gate.grace_s:
@@ -565,7 +565,7 @@ class PluginService:
         reused: set[str] = set()
         with self._lock:
             gone = self._gone_pods()
-            held = self.release_gate.holding(time.monotonic(), self.registered_now())
+            held = self.holding_releases()
             for key in holders:
                 placement = self.ledger.placements.get(key)
                 if placement is None:
@@ -867,12 +867,12 @@ class PluginService:
         released_count = 0
         annotate: dict[tuple[str, str], None] = {}
         alive = self.pods.alive() if self.pods.enabled else None
+        staying = self.pods.staying() if self.pods.enabled else None
         recorded = self._checkpointed_ids(live)  # off the lock: it reads a file
         with self._lock:
             now = time.monotonic()
             registered = self.registered_now()
             gate = self.release_gate
-            staying = self.pods.staying() if self.pods.enabled else None
 
             def pod_leaving(container: Any) -> bool:
                 return staying is not None and f"{container[0]}/{container[1]}" not in staying
