@@ -183,6 +183,12 @@ class Cluster:
 
         return helm_python.Config(kubeconfig_path=self.kubeconfig, namespace=self.namespace)
 
+    def upgrade(self, **over: Any) -> None:
+        """`helm upgrade` of the release with the chart, the profile and `over`."""
+        self.helm().upgrade(
+            str(CHART), self.release, self.values(**over), namespace=self.namespace, timeout=120
+        )
+
     # ------------------------------------------------------------ pods
 
     def pod(

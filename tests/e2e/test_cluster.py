@@ -372,13 +372,7 @@ def test_g1_upgrade_with_slices_running(cluster: Cluster, measured: dict[str, An
     old = daemon_pods(c)
     t0 = time.monotonic()
     # a config change: the daemon rolls (the ConfigMap's checksum on its template)
-    c.helm().upgrade(
-        str(CHART),
-        c.release,
-        c.values(daemon={"config": {"log_level": "debug"}}),
-        namespace=c.namespace,
-        timeout=120,
-    )
+    c.upgrade(daemon={"config": {"log_level": "debug"}})
     measured["daemon_back_s"] = daemon_back(c, old)
     measured["upgrade_s"] = round(time.monotonic() - t0, 2)
     assert _snapshot(c, ["slice", "keep-45"]) == before  # limits and hook stay
@@ -413,13 +407,7 @@ def test_g2_pods_created_during_an_upgrade(cluster: Cluster, measured: dict[str,
     worker.start()
     try:
         time.sleep(1.0)
-        c.helm().upgrade(
-            str(CHART),
-            c.release,
-            c.values(daemon={"config": {"log_level": "info"}}),
-            namespace=c.namespace,
-            timeout=120,
-        )
+        c.upgrade(daemon={"config": {"log_level": "info"}})
         daemon_back(c, old)
     finally:
         stop.set()
@@ -451,13 +439,7 @@ def test_d_device_list_strategy(cluster: Cluster, strategy: str, measured: dict[
     c = cluster
     cannot(c, strategy)
     old = daemon_pods(c)
-    c.helm().upgrade(
-        str(CHART),
-        c.release,
-        c.values(deviceListStrategy=strategy),
-        namespace=c.namespace,
-        timeout=120,
-    )
+    c.upgrade(deviceListStrategy=strategy)
     measured["daemon_back_s"] = daemon_back(c, old)
     name = f"dls-{strategy}"
     run_slice(c, name, 25, 8)
