@@ -488,14 +488,12 @@ class KubeletSimulator:
     ) -> None:
         """Behave like a starting kubelet (as a real kubelet 1.36 does it, KUBELET.md).
 
-        `down_s`: the old kubelet is gone this long before the new one serves
-        (nothing answers on the pod-resources socket meanwhile).
-
-        Stops serving, closes every plugin connection and stream, and serves its
-        pod-resources API again on a re-created socket at once: for
-        `podres_blank_s` its List is empty and for `podres_partial_s` more it
-        lists only every other pod, although every container still runs (the
-        new kubelet has not loaded its pods yet). `register_delay_s` later it
+        Stops serving and closes every plugin connection and stream; `down_s`
+        later (nothing answers meanwhile) it serves its pod-resources API again
+        on a re-created socket: for `podres_blank_s` its List is empty and for
+        `podres_partial_s` more it lists only every other pod, although every
+        container still runs (the new kubelet has not loaded its pods yet).
+        `register_delay_s` later it
         deletes every socket file in ``plugin_dir`` (the plugins' too) and
         serves ``kubelet.sock`` again; until then the old ``kubelet.sock`` file
         stays. Allocations survive (the checkpoint); every resource has no
@@ -504,41 +502,32 @@ class KubeletSimulator:
         The restart comes between two admissions (one under way finishes first).
         """
         with self._admit_lock:
-            self._restart(podres_blank_s, podres_partial_s, register_delay_s, down_s)
-
-    def _restart(
-        self,
-        podres_blank_s: float,
-        podres_partial_s: float,
-        register_delay_s: float,
-        down_s: float = 0.0,
-    ) -> None:
-        with self._lock:
-            self._epoch += 1
-            self._serving = False
-            self._restarted.clear()
-            conns = self._take_conns()
-            servers = [s for s in (self._reg_server, self._pr_server) if s is not None]
-            self._reg_server = None
-            self._pr_server = None
-            self._forget_devices()
-        self._shutdown(conns, servers)
-        if down_s > 0:
-            time.sleep(down_s)
-        now = time.monotonic()
-        with self._lock:
-            self._podres_blank_until = now + podres_blank_s
-            self._podres_partial_until = now + podres_blank_s + podres_partial_s
-            self._serve_pod_resources()
-        if register_delay_s > 0:
-            time.sleep(register_delay_s)
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self.plugin_dir):
-                with contextlib.suppress(OSError):
-                    if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
-                        os.unlink(entry.path)
-        with self._lock:
-            self._serve_registration()
+            with self._lock:
+                self._epoch += 1
+                self._serving = False
+                self._restarted.clear()
+                conns = self._take_conns()
+                servers = [s for s in (self._reg_server, self._pr_server) if s is not None]
+                self._reg_server = None
+                self._pr_server = None
+                self._forget_devices()
+            self._shutdown(conns, servers)
+            if down_s > 0:
+                time.sleep(down_s)
+            now = time.monotonic()
+            with self._lock:
+                self._podres_blank_until = now + podres_blank_s
+                self._podres_partial_until = now + podres_blank_s + podres_partial_s
+                self._serve_pod_resources()
+            if register_delay_s > 0:
+                time.sleep(register_delay_s)
+            with contextlib.suppress(FileNotFoundError):
+                for entry in os.scandir(self.plugin_dir):
+                    with contextlib.suppress(OSError):
+                        if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                            os.unlink(entry.path)
+            with self._lock:
+                self._serve_registration()
 
     def _new_server(self) -> grpc.Server:
         return grpc.server(futures.ThreadPoolExecutor(max_workers=self._workers))
