@@ -6,13 +6,13 @@ and kubelet.sock is re-created a moment later."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.adversarial.helpers import config
 from tests.integration.conftest_placement import (
     CORE,
     MEM,
@@ -51,9 +51,9 @@ def files_of(node: SimNode) -> dict[str, tuple[Path, Path]]:
 
 def file_problems(files: dict[str, tuple[Path, Path]]) -> list[str]:
     problems = []
-    for key, (config, budget) in files.items():
-        if not config.is_file():
-            problems.append(f"{key}: config {config} is not a file")
+    for key, (config_file, budget) in files.items():
+        if not config_file.is_file():
+            problems.append(f"{key}: config {config_file} is not a file")
         if not budget.is_file():
             problems.append(f"{key}: budget {budget} is not a file")
     return problems
@@ -95,8 +95,7 @@ def own_limits_problems(result: Admission, asked: dict[str, int]) -> list[str]:
     for name, want in want_env.items():
         if c.envs.get(name) != want:
             problems.append(f"{result.pod.name}: {name}={c.envs.get(name)} but it asked {want}")
-    config_dir = next(m.host_path for m in c.mounts if m.container_path == "/etc/vgpu")
-    record = json.loads((Path(config_dir) / "config.json").read_text())
+    record = config(c)
     got = {r.split("/")[1]: len(ids) for r, ids in c.device_ids.items()}
     if {k: len(v) for k, v in record["device_ids"].items() if v} != got:
         problems.append(f"{result.pod.name}: its config holds {record['device_ids']}, not {got}")

@@ -14,6 +14,7 @@ import grpc
 import psutil
 import pytest
 
+from tests.adversarial.helpers import config_dir as container_config_dir
 from tests.integration.conftest_placement import (
     CORE,
     MEM,
@@ -48,8 +49,7 @@ def advertised(node: SimNode) -> tuple[frozenset[str], frozenset[str]]:
 
 
 def config_dir(result: Admission, container: str = "main") -> Path:
-    c = result.container(container)
-    return Path(next(m.host_path for m in c.mounts if m.container_path == "/etc/vgpu"))
+    return container_config_dir(result.container(container))
 
 
 def assert_mount_points_at_record(result: Admission, container: str = "main") -> None:
