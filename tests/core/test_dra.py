@@ -17,11 +17,14 @@ from vgpu.core.dra import (
     AllocatedDevice,
     CapacityRule,
     ClaimRef,
+    PreparedDevice,
     card_capacities,
     cdi_device_names,
     claim_key,
     claim_view,
+    device_status,
     grants,
+    merge_device_status,
     parse_quantity,
     resource_slice,
     slice_devices,
@@ -575,3 +578,77 @@ def test_claim_view_reads_the_allocated_config_in_order() -> None:
         ("FromClass", ("gpu",), {"a": 1}),
         ("FromClaim", (), {"b": 2}),
     ]
+
+
+# ------------------------------------------------------------- claim status
+
+
+_AT = "2026-12-04T22:55:40Z"
+_SLICE = PreparedDevice("gpu", NODE, "gpu-0", ("vendor.io/vgpu=x",), share_id="s-1")
+
+
+@pytest.mark.parametrize(
+    "core, memory, data, message",
+    [
+        pytest.param(
+            30,
+            10240,
+            {"wholeCard": False, "coreLimitPercent": 30, "memoryLimitMiB": 10240},
+            "request gpu: GPU-a, core 30%, memory 10240 MiB",
+            id="slice",
+        ),
+        pytest.param(
+            0,
+            10240,
+            {"wholeCard": False, "coreLimitPercent": None, "memoryLimitMiB": 10240},
+            "request gpu: GPU-a, memory 10240 MiB",
+            id="memory-only",
+        ),
+        pytest.param(
+            100,
+            0,
+            {"wholeCard": True, "coreLimitPercent": None, "memoryLimitMiB": None},
+            "request gpu: GPU-a, the whole card",
+            id="whole-card",
+        ),
+    ],
+)
+def test_device_status_names_the_allocated_device_with_a_ready_condition(
+    core: int, memory: int, data: dict[str, Any], message: str
+) -> None:
+    entry = device_status(DRIVER, _SLICE, "GPU-a", core, memory, _AT)
+    assert entry == {
+        "driver": DRIVER,
+        "pool": NODE,
+        "device": "gpu-0",
+        "shareID": "s-1",  # the API server refuses an entry of a shared card without it
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "Prepared",
+                "message": message,
+                "lastTransitionTime": _AT,
+            }
+        ],
+        "data": {"request": "gpu", "uuid": "GPU-a", **data},
+    }
+    whole = device_status(DRIVER, replace(_SLICE, share_id=None), "GPU-a", 100, 0, _AT)
+    assert "shareID" not in whole
+
+
+def test_merge_device_status_keeps_other_drivers_and_unchanged_transition_times() -> None:
+    other = {"driver": "net.example.com", "pool": NODE, "device": "eth0", "data": {}}
+    before = device_status(DRIVER, _SLICE, "GPU-a", 30, 10240, _AT)
+    later = device_status(DRIVER, _SLICE, "GPU-a", 30, 10240, "2026-12-05T00:00:00Z")
+    # rewritten the same: nothing changes, the condition did not transition
+    assert merge_device_status([other, before], DRIVER, [later]) == [other, before]
+    # a condition that changed status gets the new time
+    failed = {**later, "conditions": [{**later["conditions"][0], "status": "False"}]}
+    assert merge_device_status([before, other], DRIVER, [failed]) == [other, failed]
+    # another device (another shareID) is a new entry with its own time
+    moved = device_status(DRIVER, replace(_SLICE, share_id="s-2"), "GPU-a", 30, 10240, "t2")
+    assert merge_device_status([before], DRIVER, [moved]) == [moved]
+    # unprepared: ours go, the others stay
+    assert merge_device_status([before, other], DRIVER, []) == [other]
+    assert merge_device_status([], DRIVER, []) == []

@@ -95,18 +95,24 @@ def test_device_class_selects_the_drivers_devices() -> None:
 
 def test_cluster_role_grants_exactly_what_the_driver_uses() -> None:
     granted: dict[str, set[str]] = {}
+    named: dict[str, list[str]] = {}
     for rule in _only("ClusterRole")["rules"]:
         assert rule["apiGroups"] in (["resource.k8s.io"], [""]), rule
-        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+        assert "nonResourceURLs" not in rule
         for resource in rule["resources"]:
             granted.setdefault(resource, set()).update(rule["verbs"])
+            if "resourceNames" in rule:
+                named[resource] = rule["resourceNames"]
     assert granted == {
         "resourceslices": {"create", "update", "delete", "list", "watch"},
         "resourceclaims": {"get", "list", "watch"},
         "resourceclaims/status": {"update"},  # status.devices of prepared claims
+        # 1.36's granular status authorization: this driver's entries, from its node
+        "resourceclaims/driver": {"associated-node:update"},
         "pods": {"get"},  # which containers use a claim
         "events": {"create"},  # InvalidCoreLimit on the pod of a claim with a bad coreLimit
     }
+    assert named == {"resourceclaims/driver": ["vgpu.vendor.io"]}
     text = yaml.safe_dump(_only("ClusterRole"))
     assert "*" not in text and "secret" not in text.lower()
 

@@ -11,6 +11,7 @@ the default `pytest` run (conftest.py). README.md lists every check.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -611,15 +612,62 @@ def test_i_dra_claim_prepared_with_its_limits(cluster: Cluster, measured: dict[s
         c.assert_limits("dra-slice", 30, 40)  # 10 GiB = 40 x 256 MiB
         claims = c.get("resourceclaims", "-n", c.pods_ns)["items"]
         assert len(claims) == 1, claims
+        claim_name = claims[0]["metadata"]["name"]
         results = claims[0]["status"]["allocation"]["devices"]["results"]
         assert [r["driver"] for r in results] == [f"vgpu.{DOMAIN}"], results
-        # recorded, not judged: what the claim and the container status show of health
-        measured["claim_status_devices"] = claims[0]["status"].get("devices")
+        (result,) = results
+
+        def claim_devices() -> list[dict[str, Any]] | None:
+            done = c.kubectl(
+                "get", "resourceclaim", "-n", c.pods_ns, claim_name, "-o", "json", check=False
+            )
+            if done.returncode != 0:
+                return None  # deleted
+            return list((json.loads(done.stdout).get("status") or {}).get("devices") or [])
+
+        # The driver's status.devices entry (issue 29: empty before the chart
+        # granted resourceclaims/driver, which 1.36 checks on every such write)
+        devices, waited = wait_until("the claim's status.devices", claim_devices, 30)
+        measured["claim_status_devices"] = devices
+        measured["claim_status_devices_after_running_s"] = round(waited, 2)
+        (entry,) = devices
+        share = {"shareID": result["shareID"]} if "shareID" in result else {}
+        assert {k: entry.get(k) for k in ("driver", "pool", "device", *share)} == {
+            "driver": f"vgpu.{DOMAIN}",
+            "pool": result["pool"],
+            "device": result["device"],
+            **share,
+        }, entry
+        (ready_condition,) = entry["conditions"]
+        assert ready_condition["type"] == "Ready" and ready_condition["status"] == "True"
+        assert ready_condition["reason"] == "Prepared" and ready_condition["lastTransitionTime"]
+        uuids = {
+            d["name"]: d["attributes"]["uuid"]["string"]
+            for s in slices
+            for d in s["spec"].get("devices", [])
+        }
+        assert entry["data"] == {
+            "request": "gpu",
+            "uuid": uuids[result["device"]],
+            "wholeCard": False,
+            "coreLimitPercent": 30,
+            "memoryLimitMiB": 10240,
+        }, entry
+        # recorded, not judged: what the container status shows of health
         pod = c.pod_json("dra-slice") or {}
         measured["allocated_resources_status"] = [
             cs.get("allocatedResourcesStatus") for cs in pod["status"]["containerStatuses"]
         ]
+        t2 = time.monotonic()
         c.delete_pods("dra-slice")
+        # Unprepared: our entry goes with it (or the claim, made from the template, goes)
+        wait_until(
+            "the claim's status.devices emptied or the claim deleted",
+            lambda: claim_devices() in (None, []),
+            60,
+        )
+        measured["claim_status_devices_gone_after_delete_s"] = round(time.monotonic() - t2, 2)
+        measured["claim_deleted"] = claim_devices() is None
         c.kubectl("delete", "resourceclaimtemplate", "-n", c.pods_ns, "gpu-slice")
     finally:
         c.delete_pods()  # while the driver runs: it unprepares the claim

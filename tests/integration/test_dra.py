@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 
 import grpc
 import pytest
+import yaml
 
 from tests.conftest import MockGpusFile, cards
 from vgpu.adapters import budget
@@ -27,6 +29,7 @@ from vgpu.sim.harness import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 DRIVER = "vgpu.vendor.io"
+RBAC = Path(__file__).resolve().parents[2] / "deploy" / "dra" / "03-rbac.yaml"
 
 
 class Factory(Protocol):
@@ -598,10 +601,20 @@ def test_a_memory_only_claim_gets_best_effort_compute_and_blocks_no_cores(
     assert _config(dra, run.edits["cores"])["whole_cards"] is True
 
 
+def _chart_rules(without: str | None = None) -> list[dict[str, Any]]:
+    """The DRA driver's ClusterRole rules as the chart renders them (deploy/dra)."""
+    role = yaml.safe_load(RBAC.read_text().split("\n---\n")[0])
+    assert role["kind"] == "ClusterRole"
+    return [r for r in role["rules"] if without not in r["resources"]]
+
+
 def test_config_names_the_pod_and_container_and_the_claim_status_has_the_card(
     make_dra: Factory,
 ) -> None:
     dra = make_dra("preset:2xH200")
+    # The daemon writes as the chart's ServiceAccount would, with a token bound
+    # to its node: the API server (1.36) checks resourceclaims/driver.
+    dra.api.set_driver_status_access(_chart_rules(), node=dra.node)
     dra.claim("slice", {"cores": "30", "memory": "10Gi"})
     run = dra.run_pod("p1", ["slice"])
     assert run.ok, run.reply
@@ -631,6 +644,31 @@ def test_config_names_the_pod_and_container_and_the_claim_status_has_the_card(
         "coreLimitPercent": 30,
         "memoryLimitMiB": 10240,
     }
+    (ready,) = entry["conditions"]
+    assert ready["type"] == "Ready" and ready["status"] == "True"
+    assert ready["reason"] == "Prepared"
+    assert ready["message"] == f"request gpu: {card}, core 30%, memory 10240 MiB"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", ready["lastTransitionTime"])
     # Unprepared: this driver's entries go with it.
     assert dra.kubelet.unprepare(DRIVER, run.claims).claims[run.claims[0][1]].error == ""
     assert wait_until(lambda: status() == [], 10)
+
+
+def test_a_refused_claim_status_write_is_logged_with_the_api_servers_reason(
+    make_dra: Factory,
+) -> None:
+    """Issue 29: on kube-apiserver 1.36 the chart's RBAC without
+    resourceclaims/driver got every status.devices write refused with 422, and
+    the warning cut the answer before its message. The claim still runs."""
+    dra = make_dra("preset:1xH200")
+    dra.api.set_driver_status_access(_chart_rules(without="resourceclaims/driver"), node=dra.node)
+    dra.claim("slice", {"cores": "30", "memory": "10Gi"})
+    run = dra.run_pod("p1", ["slice"])
+    assert run.ok, run.reply
+    wanted = 'status.devices: Forbidden: changing status.devices requires resource="resourceclaims'
+    assert wait_until(lambda: wanted in dra.log(), 10), dra.log()[-2000:]
+    line = next(x for x in dra.log().splitlines() if wanted in x)
+    assert "cannot write the device status of claim default/slice: API server" in line
+    assert "HTTP 422" in line and "associated-node:update" in line
+    claim = dra.api.get_object("resourceclaims", "slice", "default")
+    assert "devices" not in (claim or {}).get("status", {})

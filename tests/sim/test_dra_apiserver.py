@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -188,6 +190,203 @@ def test_claim_status_is_written_through_the_subresource_only(
     assert listed.items[0].status.allocation.devices.results[0].device == "gpu-0"
     v1.delete_namespaced_resource_claim("c1", "default")
     assert v1.list_namespaced_resource_claim("default").items == []
+
+
+def _put_status(server: FakeApiServer, name: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """PUT .../resourceclaims/NAME/status as raw JSON (the client's models would
+    refuse some of these bodies before they are sent)."""
+    request = urllib.request.Request(
+        f"{server.url}/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{name}/status",
+        data=json.dumps(body).encode(),
+        method="PUT",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+SHARE = "b92979d6-b9b4-4755-845b-55dfce4383b0"
+ENTRY = {"driver": DRIVER, "pool": "n1", "device": "gpu-0", "shareID": SHARE, "data": {"a": 1}}
+READY = {
+    "type": "Ready",
+    "status": "True",
+    "reason": "Prepared",
+    "message": "m",
+    "lastTransitionTime": "2026-12-04T22:52:23Z",
+}
+
+
+def _allocated_claim(server: FakeApiServer, name: str = "c1", node: str = "n1") -> dict[str, Any]:
+    server.add_object("resourceclaims", claim_body(name, capacity={"cores": "30"}))
+    result = {"request": "gpu", "driver": DRIVER, "pool": "n1", "device": "gpu-0", "shareID": SHARE}
+    selector = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+
+    def allocate(obj: dict[str, Any]) -> None:
+        obj["status"] = {
+            "allocation": {
+                "devices": {"results": [result]},
+                "nodeSelector": {"nodeSelectorTerms": [selector]},
+            }
+        }
+
+    return server.update_object("resourceclaims", name, allocate, "default")
+
+
+# What kube-apiserver 1.36.2 answered to these status.devices (../shared/realk8s,
+# issue 29), and the message it gave (after `is invalid: `).
+_DEVICES = [
+    pytest.param([ENTRY], 200, "", id="an-allocated-device"),
+    pytest.param([{**ENTRY, "conditions": [READY]}], 200, "", id="with-a-ready-condition"),
+    pytest.param([{**ENTRY, "data": {"limit": None}}], 200, "", id="null-inside-data"),
+    pytest.param(
+        [{k: v for k, v in ENTRY.items() if k != "shareID"}],
+        422,
+        'status.devices[0]: Invalid value: {"Driver":"vgpu.vendor.io","Pool":"n1",'
+        '"Device":"gpu-0","ShareID":""}: must be an allocated device in the claim',
+        id="shared-card-without-its-shareID",
+    ),
+    pytest.param(
+        [{**ENTRY, "device": "gpu-9"}],
+        422,
+        "status.devices[0]: Invalid value: {"
+        f'"Driver":"vgpu.vendor.io","Pool":"n1","Device":"gpu-9","ShareID":"{SHARE}"'
+        "}: must be an allocated device in the claim",
+        id="a-device-not-allocated",
+    ),
+    pytest.param(
+        [ENTRY, ENTRY],
+        422,
+        "status.devices[1]: Duplicate value: {"
+        f'"Driver":"vgpu.vendor.io","Pool":"n1","Device":"gpu-0","ShareID":"{SHARE}"' + "}",
+        id="twice",
+    ),
+    pytest.param(
+        [{**ENTRY, "data": [1, 2]}],
+        422,
+        'status.devices[0].data: Invalid value: "<value omitted>": must be a valid JSON object',
+        id="data-a-list",
+    ),
+    pytest.param(
+        [{**ENTRY, "conditions": [{"type": "Ready", "status": "True"}]}],
+        422,
+        "[status.devices[0].conditions[0].lastTransitionTime: Required value, "
+        "status.devices[0].conditions[0].reason: Required value]",
+        id="condition-without-time-and-reason",
+    ),
+    pytest.param(
+        [{**ENTRY, "conditions": [{k: v for k, v in READY.items() if k != "reason"}]}],
+        422,
+        "status.devices[0].conditions[0].reason: Required value",
+        id="condition-without-reason",
+    ),
+]
+
+
+@pytest.mark.parametrize(("devices", "code", "message"), _DEVICES)
+def test_claim_status_devices_are_validated_as_the_real_server_does(
+    api: tuple[FakeApiServer, Any], devices: list[dict[str, Any]], code: int, message: str
+) -> None:
+    server, _ = api
+    claim = _allocated_claim(server)
+    claim["status"]["devices"] = devices
+    got, reply = _put_status(server, "c1", claim)
+    assert got == code, reply
+    stored = server.get_object("resourceclaims", "c1", "default")
+    if code == 200:
+        assert stored["status"]["devices"] == devices  # type: ignore[index]
+    else:
+        assert reply["message"] == f'ResourceClaim.resource.k8s.io "c1" is invalid: {message}'
+        assert reply["reason"] == "Invalid"
+        assert "devices" not in stored["status"]  # type: ignore[index]
+
+
+def test_a_condition_time_is_stored_as_metav1_time_writes_it(
+    api: tuple[FakeApiServer, Any],
+) -> None:
+    """The kubernetes client sends `+00:00`; the API server stores `Z`."""
+    server, api_client = api
+    claim = _allocated_claim(server)
+    claim["status"]["devices"] = [
+        {**ENTRY, "conditions": [{**READY, "lastTransitionTime": "2026-12-04T23:52:23+01:00"}]}
+    ]
+    client.ResourceV1Api(api_client).replace_namespaced_resource_claim_status(
+        "c1", "default", claim, _preload_content=False
+    )
+    stored = server.get_object("resourceclaims", "c1", "default")
+    (cond,) = stored["status"]["devices"][0]["conditions"]  # type: ignore[index]
+    assert cond["lastTransitionTime"] == "2026-12-04T22:52:23Z"
+
+
+_DRIVER_RULE = {
+    "apiGroups": ["resource.k8s.io"],
+    "resources": ["resourceclaims/driver"],
+    "resourceNames": [DRIVER],
+    "verbs": ["associated-node:update"],
+}
+_STATUS_RULE = {
+    "apiGroups": ["resource.k8s.io"],
+    "resources": ["resourceclaims/status"],
+    "verbs": ["update"],
+}
+_FORBIDDEN = (
+    'status.devices: Forbidden: changing status.devices requires resource="resourceclaims/'
+    'driver", verb="[{verbs}]" permission: resourceclaims.resource.k8s.io "vgpu.vendor.io" is '
+    'forbidden: User "system:serviceaccount:vgpu-system:vgpu" cannot {first} resource '
+    '"resourceclaims/driver" in API group "resource.k8s.io" in the namespace "default"'
+)
+
+
+@pytest.mark.parametrize(
+    ("rules", "token_node", "verbs"),
+    [
+        pytest.param([_STATUS_RULE], "n1", "", id="status-update-alone"),  # the chart before
+        pytest.param([_STATUS_RULE], None, "arbitrary-node:update", id="unbound-token"),
+        pytest.param([_STATUS_RULE, _DRIVER_RULE], None, "", id="driver-rule-unbound-token"),
+        pytest.param([_STATUS_RULE, _DRIVER_RULE], "n2", "", id="driver-rule-other-node"),
+        pytest.param([_STATUS_RULE, _DRIVER_RULE], "n1", None, id="driver-rule-own-node"),
+        pytest.param(
+            [_STATUS_RULE, {**_DRIVER_RULE, "resourceNames": ["other.example.com"]}],
+            "n1",
+            "",
+            id="another-drivers-name",
+        ),
+    ],
+)
+def test_changing_status_devices_needs_the_drivers_permission_since_1_36(
+    api: tuple[FakeApiServer, Any],
+    rules: list[dict[str, Any]],
+    token_node: str | None,
+    verbs: str | None,
+) -> None:
+    """kube-apiserver 1.36.2 (issue 29): the refusal names the verbs it tried,
+    associated-node first for a token bound to the claim's node."""
+    server, _ = api
+    server.set_driver_status_access(rules, node=token_node)
+    claim = _allocated_claim(server)
+    claim["status"]["devices"] = [ENTRY]
+    got, reply = _put_status(server, "c1", claim)
+    if verbs is None:
+        assert got == 200, reply
+        cleared = server.get_object("resourceclaims", "c1", "default")
+        cleared["status"].pop("devices")  # type: ignore[index]
+        assert _put_status(server, "c1", cleared)[0] == 200  # removing ours: the same rule
+        return
+    tried = verbs or (
+        "associated-node:update arbitrary-node:update"
+        if token_node == "n1"
+        else "arbitrary-node:update"
+    )
+    assert got == 422, reply
+    assert reply["message"] == 'ResourceClaim.resource.k8s.io "c1" is invalid: ' + (
+        _FORBIDDEN.format(verbs=tried, first=tried.split()[0])
+    )
+    # a status write that leaves status.devices alone needs no more than before
+    unchanged = server.get_object("resourceclaims", "c1", "default")
+    unchanged["status"]["reservedFor"] = [{"resource": "pods", "name": "p", "uid": "u"}]  # type: ignore[index]
+    assert _put_status(server, "c1", unchanged)[0] == 200
 
 
 def test_device_class_round_trip(api: tuple[FakeApiServer, Any]) -> None:

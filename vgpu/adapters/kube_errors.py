@@ -6,6 +6,7 @@ through its attributes (the kubernetes client's ApiException has `status` and
 from __future__ import annotations
 
 import errno
+import json
 
 _CHECKS = {
     401: "the service account token is missing or expired: check the pod's token mount",
@@ -70,3 +71,18 @@ def api_error_text(exc: BaseException, address: str) -> str:
         "that this pod can reach it (Service kubernetes.default, network policies, "
         "firewalls, the kubeconfig's server address)"
     )
+
+
+def api_status_message(exc: BaseException) -> str:
+    """The `message` of the API server's Status answer carried by `exc` (its
+    `body`), e.g. what a 422 found invalid; "" when there is none."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, bytes):
+        body = body.decode("utf-8", "replace")
+    if not isinstance(body, str) or not body:
+        return ""
+    try:
+        status = json.loads(body)
+    except ValueError:
+        return ""
+    return str(status.get("message") or "") if isinstance(status, dict) else ""

@@ -760,28 +760,90 @@ def claim_containers(pod: Any, claim_name: str, request: str) -> list[str]:
     return sorted(out)
 
 
+READY_CONDITION = "Ready"
+PREPARED_REASON = "Prepared"
+
+
 def device_status(
     driver: str,
     device: PreparedDevice,
     card_uuid: str,
     core_percent: int,
     memory_mib: int,
+    prepared_at: str,
 ) -> dict[str, Any]:
-    """One entry of the claim's status.devices (DRAResourceClaimDeviceStatus):
-    the device, and in `data` the card and the limits the container got."""
+    """One entry of the claim's status.devices (AllocatedDeviceStatus, KEP-4817):
+    the allocated device (driver, pool, device and, for a shared card, the
+    allocation's shareID: the API server refuses an entry that names no
+    allocated device), a Ready condition since `prepared_at` (RFC 3339; the API
+    server requires type, status, reason and lastTransitionTime), and in `data`
+    (a JSON object) the card and the limits the container got."""
     whole = core_percent >= CORE_UNITS_PER_CARD
+    core = None if whole or core_percent == 0 else core_percent
+    memory = None if whole or memory_mib == 0 else memory_mib
+    if whole:
+        granted = "the whole card"
+    else:
+        parts = [f"core {core}%" if core else "", f"memory {memory} MiB" if memory else ""]
+        granted = ", ".join(p for p in parts if p) or "no limit"
     entry: dict[str, Any] = {
         "driver": driver,
         "pool": device.pool,
         "device": device.device,
+        "conditions": [
+            {
+                "type": READY_CONDITION,
+                "status": "True",
+                "reason": PREPARED_REASON,
+                "message": f"request {device.request}: {card_uuid or 'card'}, {granted}",
+                "lastTransitionTime": prepared_at,
+            }
+        ],
         "data": {
             "request": device.request,
             "uuid": card_uuid,
             "wholeCard": whole,
-            "coreLimitPercent": None if whole or core_percent == 0 else core_percent,
-            "memoryLimitMiB": None if whole or memory_mib == 0 else memory_mib,
+            "coreLimitPercent": core,
+            "memoryLimitMiB": memory,
         },
     }
     if device.share_id is not None:
         entry["shareID"] = device.share_id
     return entry
+
+
+def _device_key(entry: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    return (
+        str(entry.get("driver", "")),
+        str(entry.get("pool", "")),
+        str(entry.get("device", "")),
+        str(entry.get("shareID") or ""),
+    )
+
+
+def merge_device_status(
+    current: Sequence[Mapping[str, Any]], driver: str, ours: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The claim's status.devices with `driver`'s entries made `ours`: other
+    drivers' entries kept as they are, in their order. A condition whose type
+    and status an entry of the same device already had keeps that entry's
+    lastTransitionTime (it did not transition), so rewriting an unchanged
+    preparation changes nothing."""
+    before = {_device_key(e): e for e in current if e.get("driver") == driver}
+    out = [dict(e) for e in current if e.get("driver") != driver]
+    for entry in ours:
+        merged = dict(entry)
+        old = before.get(_device_key(entry))
+        if old is not None and entry.get("conditions"):
+            had = {
+                (c.get("type"), c.get("status")): c.get("lastTransitionTime")
+                for c in old.get("conditions") or []
+                if isinstance(c, Mapping)
+            }
+            conditions = []
+            for cond in entry["conditions"]:
+                since = had.get((cond.get("type"), cond.get("status")))
+                conditions.append({**cond, "lastTransitionTime": since} if since else dict(cond))
+            merged["conditions"] = conditions
+        out.append(merged)
+    return out

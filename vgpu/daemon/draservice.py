@@ -500,14 +500,16 @@ class DraService:
             return [p for r in self.prepared.values() for p in r.placements]
 
     def _write_status(self, ref: ClaimRef, record: ClaimRecord) -> None:
-        """The claim's status.devices (card UUID and granted limits in `data`),
-        written in the background: the kubelet does not wait for it."""
+        """The claim's status.devices (a Ready condition since the preparation;
+        card UUID and granted limits in `data`), written in the background: the
+        kubelet does not wait for it."""
         users = self.users
         if users is None:
             return
         by_request = {p.key: p for p in record.placements}
         with self._lock:
             uuids = {device_name(c): c.uuid for c in self.cards.values()}
+        prepared_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created_s))
         entries = []
         for device in record.devices:
             placement = by_request[claim_key(ref.uid, device.request)]
@@ -518,6 +520,7 @@ class DraService:
                     uuids.get(device.device, ""),
                     placement.core_percent,
                     placement.memory_mib,
+                    prepared_at,
                 )
             )
         self._status_pool.submit(users.write, ref.namespace, ref.name, ref.uid, entries)

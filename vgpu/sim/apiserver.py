@@ -553,6 +553,7 @@ class FakeApiServer:
         self.evictions: list[tuple[str, str]] = []  # (namespace, pod) evicted
         self._down = False
         self._delay_s = 0.0
+        self._driver_access: _DriverAccess | None = None  # None: every client is an admin
         self._stopping = threading.Event()
         self._log: list[tuple[str, str]] = []
         self._conns: dict[threading.Thread, socket.socket] = {}
@@ -649,6 +650,30 @@ class FakeApiServer:
         """Every request waits ``delay_s`` seconds before it is answered."""
         with self._cond:
             self._delay_s = max(0.0, delay_s)
+
+    def set_driver_status_access(
+        self,
+        rules: list[JSON] | None,
+        *,
+        node: str | None = None,
+        user: str = "system:serviceaccount:vgpu-system:vgpu",
+    ) -> None:
+        """Answer every client as a ServiceAccount holding the RBAC ``rules``
+        (a ClusterRole's ``rules``), its token bound to a pod on ``node`` (None:
+        an unbound token), for the one check Kubernetes 1.36 added to
+        ResourceClaim status writes (DRAResourceClaimGranularStatusAuthorization,
+        beta, on by default): changing a driver's ``status.devices`` entries needs
+        verb ``associated-node:<update|patch>`` (a token bound to the node the
+        claim is allocated on) or ``arbitrary-node:<update|patch>`` on
+        ``resourceclaims/driver`` with that driver as resource name; without it
+        the write is refused with 422 ``status.devices: Forbidden``. Seen on
+        kube-apiserver 1.36.2 (../shared/realk8s, issue 29): the chart's
+        ``resourceclaims/status`` ``update`` alone got that 422; with
+        ``associated-node:update`` the pod-bound token's write went through.
+        ``None`` (the default): every client is a cluster admin, as the
+        credential-less kubeconfig of :meth:`write_kubeconfig` suggests."""
+        with self._cond:
+            self._driver_access = None if rules is None else _DriverAccess(tuple(rules), node, user)
 
     def compact(self) -> None:
         """Forget the watch history, like an etcd compaction: resuming older rvs gets 410."""
@@ -1268,8 +1293,17 @@ class FakeApiServer:
             return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
         raise _ApiError(405, f"{method} is not supported on a {resource} collection")
 
-    def _dra_replace(self, resource: str, key: tuple[str, str], obj: JSON, *, status: bool) -> JSON:
-        """PUT: the whole object (status kept) or, with ``status``, the status only."""
+    def _dra_replace(
+        self,
+        resource: str,
+        key: tuple[str, str],
+        obj: JSON,
+        *,
+        status: bool,
+        check: Callable[[JSON, JSON], None] | None = None,
+    ) -> JSON:
+        """PUT: the whole object (status kept) or, with ``status``, the status only;
+        ``check(current, new)`` may refuse the write (lock held)."""
         meta = obj.get("metadata")
         if not isinstance(meta, dict):
             raise _ApiError(422, "metadata must be an object")
@@ -1303,7 +1337,36 @@ class FakeApiServer:
                     new["status"] = kept
                 else:
                     new.pop("status", None)
+            if check is not None:
+                check(cur, new)
             return self._commit(resource, key, cur, new)
+
+    def _claim_status_check(self, verb: str) -> Callable[[JSON, JSON], None]:
+        """What the API server checks on a ResourceClaim status write (``verb``:
+        update for PUT, patch for PATCH), as kube-apiserver 1.36.2 answered
+        (issue 29): every status.devices entry names an allocated device (driver,
+        pool, device and shareID), once; its ``data`` is a JSON object; each
+        condition has type, status, reason and lastTransitionTime; and the
+        writer may change the entries of each driver it changes
+        (:meth:`set_driver_status_access`). 422 with the real wording if not.
+        A condition's lastTransitionTime is stored as the real server's
+        metav1.Time writes it back: RFC 3339 in UTC with ``Z``, whole seconds."""
+
+        def check(cur: JSON, new: JSON) -> None:
+            name = str(new.get("metadata", {}).get("name") or cur["metadata"]["name"])
+            _normalize_condition_times(new)
+            problems = _device_status_problems(new)
+            if problems:
+                raise _ApiError(422, _invalid_claim(name, problems), reason="Invalid")
+            access = self._driver_access
+            if access is None:
+                return
+            for driver in _modified_drivers(cur, new):
+                problem = access.refusal(driver, verb, new, cur)
+                if problem:
+                    raise _ApiError(422, _invalid_claim(name, [problem]), reason="Invalid")
+
+        return check
 
     def _dra_status(
         self, method: str, resource: str, key: tuple[str, str], ctype: str, body: bytes
@@ -1314,14 +1377,22 @@ class FakeApiServer:
                 raise _ApiError(404, f'{resource} "{key[1]}" not found', name=key[1])
             return 200, obj
         if method == "PUT":
-            return 200, self._dra_replace(resource, key, _json_body(body), status=True)
+            return 200, self._dra_replace(
+                resource,
+                key,
+                _json_body(body),
+                status=True,
+                check=self._claim_status_check("update"),
+            )
         if method == "PATCH":
             with self._cond:
                 cur = self._store[resource].get(key)
                 if cur is None:
                     raise _ApiError(404, f'{resource} "{key[1]}" not found', name=key[1])
                 spec = copy.deepcopy(cur.get("spec"))
-            patched = self._patch(resource, key, ctype, body)
+            patched = self._patch(
+                resource, key, ctype, body, check=self._claim_status_check("patch")
+            )
             if patched.get("spec") != spec:  # only the status may change here
                 return 200, self._dra_replace(
                     resource, key, {**patched, "spec": spec}, status=False
@@ -1355,7 +1426,14 @@ class FakeApiServer:
             "items": items,
         }
 
-    def _patch(self, resource: str, key: tuple[str, str], ctype: str, body: bytes) -> JSON:
+    def _patch(
+        self,
+        resource: str,
+        key: tuple[str, str],
+        ctype: str,
+        body: bytes,
+        check: Callable[[JSON, JSON], None] | None = None,
+    ) -> JSON:
         media = ctype.split(";", 1)[0].strip().lower()
         try:
             patch = json.loads(body or b"null")
@@ -1397,6 +1475,8 @@ class FakeApiServer:
                     name=key[1],
                     kind=resource,
                 )
+            if check is not None:
+                check(cur, new)
             return self._commit(resource, key, cur, new)
 
     def _bind(self, namespace: str, name: str, body: bytes) -> JSON:
@@ -1672,6 +1752,145 @@ def _json_body(body: bytes) -> JSON:
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _ATTRIBUTE_TYPES = ("bool", "int", "string", "version")
 _NODE_SELECTION = ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection")
+
+
+@dataclass(frozen=True)
+class _DriverAccess:
+    """The client's RBAC rules and token node, for resourceclaims/driver."""
+
+    rules: tuple[JSON, ...]
+    node: str | None
+    user: str
+
+    def _allows(self, verb: str, driver: str) -> bool:
+        for rule in self.rules:
+            names = rule.get("resourceNames") or []
+            if (
+                {DRA_GROUP, "*"} & set(rule.get("apiGroups") or [])
+                and {"resourceclaims/driver", "*"} & set(rule.get("resources") or [])
+                and {verb, "*"} & set(rule.get("verbs") or [])
+                and (not names or driver in names)
+            ):
+                return True
+        return False
+
+    def refusal(self, driver: str, verb: str, new: JSON, cur: JSON) -> str:
+        """The field error refusing the write of `driver`'s entries; empty if allowed."""
+        node = _allocated_node(new) or _allocated_node(cur)
+        verbs = [f"arbitrary-node:{verb}"]
+        if self.node is not None and self.node == node:
+            verbs.insert(0, f"associated-node:{verb}")
+        if any(self._allows(v, driver) for v in verbs):
+            return ""
+        namespace = new.get("metadata", {}).get("namespace") or cur["metadata"].get("namespace")
+        return (
+            'status.devices: Forbidden: changing status.devices requires resource="resourceclaims'
+            f'/driver", verb="[{" ".join(verbs)}]" permission: resourceclaims.{DRA_GROUP} '
+            f'"{driver}" is forbidden: User "{self.user}" cannot {verbs[0]} resource '
+            f'"resourceclaims/driver" in API group "{DRA_GROUP}" in the namespace "{namespace}"'
+        )
+
+
+def _allocated_node(claim: JSON) -> str | None:
+    """The one node a claim's allocation selects (matchFields metadata.name)."""
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    for term in (allocation.get("nodeSelector") or {}).get("nodeSelectorTerms") or []:
+        for field_ in term.get("matchFields") or []:
+            values = field_.get("values") or []
+            if field_.get("key") == "metadata.name" and len(values) == 1:
+                return str(values[0])
+    return None
+
+
+def _device_key(entry: Any) -> tuple[str, str, str, str]:
+    e = entry if isinstance(entry, dict) else {}
+    return (
+        str(e.get("driver", "")),
+        str(e.get("pool", "")),
+        str(e.get("device", "")),
+        str(e.get("shareID") or ""),
+    )
+
+
+def _modified_drivers(cur: JSON, new: JSON) -> list[str]:
+    """The drivers whose status.devices entries differ between two claims."""
+
+    def by_driver(obj: JSON) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for entry in (obj.get("status") or {}).get("devices") or []:
+            out.setdefault(_device_key(entry)[0], []).append(json.dumps(entry, sort_keys=True))
+        return {k: sorted(v) for k, v in out.items()}
+
+    before, after = by_driver(cur), by_driver(new)
+    return sorted(d for d in set(before) | set(after) if before.get(d) != after.get(d))
+
+
+def _device_status_problems(claim: JSON) -> list[str]:
+    """The API server's validation of a claim's status.devices (field errors)."""
+    status = claim.get("status") or {}
+    allocation = (status.get("allocation") or {}).get("devices") or {}
+    allocated = {_device_key(r) for r in allocation.get("results") or []}
+    problems: list[str] = []
+    seen: set[tuple[str, str, str, str]] = set()
+    for i, entry in enumerate(status.get("devices") or []):
+        where = f"status.devices[{i}]"
+        key = _device_key(entry)
+        shown = json.dumps(
+            dict(zip(("Driver", "Pool", "Device", "ShareID"), key, strict=True)),
+            separators=(",", ":"),
+        )
+        if key in seen:
+            problems.append(f"{where}: Duplicate value: {shown}")
+        elif key not in allocated:
+            problems.append(
+                f"{where}: Invalid value: {shown}: must be an allocated device in the claim"
+            )
+        seen.add(key)
+        if not isinstance(entry, dict):
+            continue
+        if entry.get("data") is not None and not isinstance(entry["data"], dict):
+            problems.append(
+                f'{where}.data: Invalid value: "<value omitted>": must be a valid JSON object'
+            )
+        for j, cond in enumerate(entry.get("conditions") or []):
+            c = cond if isinstance(cond, dict) else {}
+            at = f"{where}.conditions[{j}]"
+            for required in ("type", "status"):
+                if not c.get(required):
+                    problems.append(f"{at}.{required}: Required value")
+            if c.get("status") and c["status"] not in ("True", "False", "Unknown"):
+                problems.append(
+                    f'{at}.status: Unsupported value: "{c["status"]}": supported values: '
+                    '"False", "True", "Unknown"'
+                )
+            for required in ("lastTransitionTime", "reason"):
+                if not c.get(required):
+                    problems.append(f"{at}.{required}: Required value")
+    return problems
+
+
+def _normalize_condition_times(claim: JSON) -> None:
+    """status.devices[].conditions[].lastTransitionTime as metav1.Time stores it
+    (e.g. the kubernetes client's ``+00:00`` comes back as ``Z``); 400 if unparsable."""
+    for entry in (claim.get("status") or {}).get("devices") or []:
+        for cond in (entry.get("conditions") or []) if isinstance(entry, dict) else []:
+            raw = cond.get("lastTransitionTime") if isinstance(cond, dict) else None
+            if not isinstance(raw, str) or not raw:
+                continue
+            try:
+                when = datetime.fromisoformat(raw)
+            except ValueError:
+                raise _ApiError(
+                    400, f'parsing time "{raw}" as "2006-01-02T15:04:05Z07:00": cannot parse'
+                ) from None
+            if when.tzinfo is None:
+                raise _ApiError(400, f'parsing time "{raw}": missing the time zone')
+            cond["lastTransitionTime"] = when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _invalid_claim(name: str, problems: list[str]) -> str:
+    listed = problems[0] if len(problems) == 1 else f"[{', '.join(problems)}]"
+    return f'ResourceClaim.{DRA_GROUP} "{name}" is invalid: {listed}'
 
 
 def _check_slice(obj: JSON) -> None:

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from vgpu.adapters.kube import api_client
-from vgpu.adapters.kube_errors import api_error_text
-from vgpu.core.dra import resource_slice, slice_name
+from vgpu.adapters.kube_errors import api_error_text, api_status_message
+from vgpu.core.dra import merge_device_status, resource_slice, slice_name
 from vgpu.core.readiness import ApiHealth
 
 log = logging.getLogger(__name__)
@@ -305,10 +305,11 @@ class ClaimStatusWriter:
                 if str((obj.get("metadata") or {}).get("uid", "")) != uid:
                     return False  # deleted and re-created: not ours to write
                 status = obj.get("status") or {}
-                others = [d for d in status.get("devices") or [] if d.get("driver") != self.driver]
-                if others + entries == (status.get("devices") or []):
+                current = status.get("devices") or []
+                devices = merge_device_status(current, self.driver, entries)
+                if devices == current:
                     return True
-                status["devices"] = others + entries
+                status["devices"] = devices
                 obj["status"] = status
                 api.replace_namespaced_resource_claim_status(
                     name, namespace, obj, _preload_content=False, _request_timeout=self.timeout_s
@@ -319,11 +320,13 @@ class ClaimStatusWriter:
                     continue  # changed meanwhile: read again
                 if _status_of(exc) == 404:
                     return False  # the claim is gone: nothing to write
+                host = str(getattr(getattr(self._client, "configuration", None), "host", "?"))
                 log.warning(
-                    "cannot write the device status of claim %s/%s: %s",
+                    "cannot write the device status of claim %s/%s: %s%s",
                     namespace,
                     name,
-                    str(exc)[:200],
+                    api_error_text(exc, host),
+                    f" ({detail})" if (detail := api_status_message(exc)) else "",
                 )
                 return False
         return False
