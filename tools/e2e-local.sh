@@ -41,7 +41,7 @@ fi
 if [ "${SKIP_BUILD:-0}" != 1 ] || [ -z "$(buildah images -q "$IMAGE" 2>/dev/null)" ]; then
   log "building $IMAGE (buildah bud, as docs/install.md says)"
   printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > "$OUT/pip.conf"
-  old_id="$(buildah images -q --no-trunc "$IMAGE" 2>/dev/null | head -1)"
+  old_id="$(buildah images -q --no-trunc "$IMAGE" 2>/dev/null | head -1 || true)"
   ( cd "$REPO" && buildah bud \
       -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro \
       -v "$OUT/pip.conf:/etc/pip.conf:ro" \

@@ -1184,3 +1184,22 @@ def test_the_e2e_profile_passes_the_schema(monkeypatch: pytest.MonkeyPatch) -> N
     for where, c in containers.items():
         env = {e["name"]: e.get("value") for e in c.get("env", [])}
         assert env.get("KUBERNETES_SERVICE_PORT") == "6443", where
+
+
+# ------------------------------------------------------ upgrades
+
+
+def test_the_daemon_rolls_with_a_surge_and_the_dra_driver_one_at_a_time() -> None:
+    """The device plugin hands the node over to its surge pod (no gap); the
+    DRA driver has no handover, so two must never run on one node."""
+    plugin = one(render({}), "DaemonSet", "vgpu")["spec"]["updateStrategy"]
+    assert plugin["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    dra = one(render({"mode": "dra"}), "DaemonSet")["spec"]["updateStrategy"]
+    assert dra["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    env = {
+        e["name"]
+        for e in one(render({"mode": "dra"}), "DaemonSet")["spec"]["template"]["spec"][
+            "containers"
+        ][0]["env"]
+    }
+    assert "POD_NAME" not in env

@@ -273,6 +273,9 @@ def test_node_name_comes_from_the_downward_api(container: dict[str, Any]) -> Non
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
+    # Its own pod, to find the surge pod of an upgrade at SIGTERM.
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
 
 
 def test_scheduling(daemonset: dict[str, Any], pod_spec: dict[str, Any]) -> None:
@@ -286,7 +289,8 @@ def test_scheduling(daemonset: dict[str, Any], pod_spec: dict[str, Any]) -> None
     } in pod_spec["tolerations"]
     assert daemonset["spec"]["updateStrategy"] == {
         "type": "RollingUpdate",
-        "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0},
+        # The new daemon starts beside the old one, which hands it the node.
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
     }
 
 

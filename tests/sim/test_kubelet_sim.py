@@ -193,15 +193,31 @@ def test_oversized_message_ends_stream(env: Env) -> None:
     assert sim.capacity(CORE) == 4
 
 
-def test_new_registration_replaces_old(env: Env) -> None:
+def test_new_registration_replaces_old_and_leaves_its_stream_open(env: Env) -> None:
     sim = env.sim()
     plugin = env.plugin()
     assert sim.wait_registered([CORE])
     plugin.register()
     assert sim.wait_for(lambda: sim.registrations(CORE) == 2)
-    assert sim.wait_for(lambda: plugin.active_streams() == 1 and sim.connected(CORE))
+    # The kubelet does not close the replaced registration's stream.
+    assert sim.wait_for(lambda: plugin.active_streams() == 2 and sim.connected(CORE))
     assert sim.stream_messages(CORE) == 2
     assert sim.allocatable(CORE) == 4
+
+
+def test_a_replaced_stream_that_ends_disconnects_the_current_registration(env: Env) -> None:
+    sim = env.sim()
+    old = env.plugin(CORE, 4, "old.sock")
+    assert sim.wait_registered([CORE])
+    new = env.plugin(CORE, 4, "new.sock")
+    assert sim.wait_for(lambda: sim.registrations(CORE) == 2 and sim.allocatable(CORE) == 4)
+    old.stop()  # its stream ends after the newer registration
+    # Seen on kubelet 1.36.2: the newer registration is disconnected too.
+    assert sim.wait_for(lambda: set(sim.devices(CORE).values()) == {"Unhealthy"})
+    assert sim.wait_for(lambda: new.active_streams() == 0 and not sim.connected(CORE))
+    assert sim.allocatable(CORE) == 0
+    new.register()  # only a new registration brings the devices back
+    assert sim.wait_for(lambda: sim.allocatable(CORE) == 4)
 
 
 def test_restart_deletes_every_socket_and_keeps_allocations(env: Env) -> None:

@@ -82,6 +82,12 @@ class PodSource(Protocol):
         """Containers of this node's Running pods that ask for our resources."""
         ...
 
+    def successor(self, namespace: str, name: str) -> str | None:
+        """The name of a newer pod of the same controller (a DaemonSet's surge
+        pod) on this node, not terminated nor being deleted; None if none, or
+        when nothing is known."""
+        ...
+
     def start(self, stop: threading.Event) -> None: ...
 
 
@@ -120,8 +126,53 @@ class NoPods:
     def running(self) -> list[ContainerSpec]:
         return []
 
+    def successor(self, namespace: str, name: str) -> str | None:
+        return None
+
     def start(self, stop: threading.Event) -> None:
         return None
+
+
+def _controller_uid(meta: dict[str, Any]) -> str | None:
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller"):
+            uid = ref.get("uid")
+            return uid if isinstance(uid, str) else None
+    return None
+
+
+def successor_pod(pods: list[dict[str, Any]], namespace: str, name: str) -> str | None:
+    """Among `pods` (one node's), a newer pod of the same controller as
+    `namespace/name`, not terminated nor being deleted."""
+    own = next(
+        (
+            p.get("metadata") or {}
+            for p in pods
+            if (p.get("metadata") or {}).get("namespace") == namespace
+            and (p.get("metadata") or {}).get("name") == name
+        ),
+        None,
+    )
+    if own is None:
+        return None
+    owner = _controller_uid(own)
+    if owner is None:
+        return None
+    created = str(own.get("creationTimestamp") or "")
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if meta.get("name") == name or meta.get("namespace") != namespace:
+            continue
+        if _controller_uid(meta) != owner or meta.get("deletionTimestamp"):
+            continue
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        # RFC 3339 in UTC at one-second resolution: text order is time order;
+        # a pod of the same second counts (it cannot be older than the owner's
+        # own pod in a rolling update, which creates it after).
+        if str(meta.get("creationTimestamp") or "") >= created:
+            return str(meta.get("name"))
+    return None
 
 
 def parse_units(value: Any) -> tuple[int, str]:
@@ -391,6 +442,13 @@ class KubePodCache:
                 meta = obj.get("metadata") or {}
                 out.add(f"{meta.get('namespace', '')}/{meta.get('name', '')}")
         return frozenset(out)
+
+    def successor(self, namespace: str, name: str) -> str | None:
+        if not self._synced:
+            return None
+        with self._cond:
+            pods = list(self._pods.values())
+        return successor_pod(pods, namespace, name)
 
     def staying(self) -> frozenset[str] | None:
         if not self._synced:

@@ -11,7 +11,8 @@ import grpc
 
 
 class UnixServer:
-    """One gRPC service on a Unix socket; the socket is removed at stop."""
+    """One gRPC service on a Unix socket; the socket is removed at stop, unless
+    another server's socket has taken its path meanwhile."""
 
     def __init__(
         self,
@@ -25,6 +26,7 @@ class UnixServer:
         self.name = name
         self.workers = workers
         self._server: grpc.Server | None = None
+        self._inode: int | None = None
 
     def start(self) -> None:
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
@@ -39,12 +41,17 @@ class UnixServer:
         server.add_insecure_port(f"unix://{self.socket_path}")
         server.start()
         self._server = server
+        try:
+            self._inode = self.socket_path.stat().st_ino
+        except OSError:
+            self._inode = None
 
     def stop(self, grace_s: float = 0.5) -> None:
         server, self._server = self._server, None
         if server is not None:
             server.stop(grace_s).wait(grace_s + 1.0)
         try:
-            self.socket_path.unlink()
+            if self._inode is not None and self.socket_path.stat().st_ino == self._inode:
+                self.socket_path.unlink()
         except FileNotFoundError:
             pass

@@ -52,6 +52,11 @@ class ApiUnavailable(VgpuError):
     kubelet's pod-resources API or the Kubernetes API server."""
 
 
+class HandedOver(VgpuError):
+    """This daemon handed the node over, and the new one could not answer a
+    call in its place (UNAVAILABLE)."""
+
+
 class StateUnwritable(VgpuError):
     """The daemon cannot write a container's state; nothing was placed.
 

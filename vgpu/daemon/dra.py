@@ -130,6 +130,7 @@ class DraDaemon:
         self.settings = s
         self.backend = backend or build_backend(s)
         self.stop = threading.Event()
+        self.handed_off = threading.Event()  # never set: the DRA driver rolls one at a time
         self.driver = driver_name(s.resource_domain)
         node = s.node_name or ""
         dra_dir = s.state_dir / "dra"

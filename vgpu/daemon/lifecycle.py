@@ -10,8 +10,11 @@ import threading
 from types import FrameType
 
 
-def stop_on_signals(stop: threading.Event, log: logging.Logger) -> None:
-    """Set `stop` on the first SIGTERM/SIGINT; exit 1 at once on the second."""
+def stop_on_signals(
+    stop: threading.Event, log: logging.Logger, signalled: threading.Event | None = None
+) -> None:
+    """Set `stop` (and `signalled`, when given) on the first SIGTERM/SIGINT;
+    exit 1 at once on the second."""
     count = {"signals": 0}
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -21,6 +24,8 @@ def stop_on_signals(stop: threading.Event, log: logging.Logger) -> None:
             os._exit(1)
         log.info("%s received: shutting down", signal.Signals(signum).name)
         stop.set()
+        if signalled is not None:
+            signalled.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

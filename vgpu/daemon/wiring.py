@@ -9,6 +9,9 @@ the lifecycle as named tasks stopped by one flag:
                periodic reconcile, metrics
     shutdown   first SIGTERM/SIGINT: stop serving, remove sockets, exit 0;
                a second one forces the exit
+    handover   a second daemon on the node (a rolling update's surge pod)
+               asks the owner to hand over: docs/operations.md, "Upgrading
+               without a gap"
 """
 
 from __future__ import annotations
@@ -31,6 +34,16 @@ from vgpu.adapters.devnodes import HostDevices
 from vgpu.adapters.dra.cdi import CdiDir
 from vgpu.adapters.fs import ContainerStore, PluginDirWatcher, install_hook
 from vgpu.adapters.gpus import BackendError, CardReading, GpuBackend, MockBackend
+from vgpu.adapters.handoff import (
+    HandoffError,
+    HandoffServer,
+    NodeLock,
+    Outcome,
+    accepted_fds,
+    close_all,
+    duplicate,
+    request_handoff,
+)
 from vgpu.adapters.kube import (
     KubeNodePublisher,
     KubePodCache,
@@ -41,6 +54,7 @@ from vgpu.adapters.kube import (
 )
 from vgpu.adapters.kubelet.checkpoint import CHECKPOINT_NAME
 from vgpu.adapters.kubelet.servicer import (
+    CallRelay,
     DevicePluginServicer,
     PluginServer,
     RegistrationError,
@@ -69,10 +83,22 @@ STATE_RETRY_S = 1.0
 STOP_TIMEOUT_S = 4.0
 DEVICE_NODE_CHECK_S = 5.0  # how soon a card whose device node vanished turns unhealthy
 START_SYNC_WAIT_S = 5.0  # longest start-up wait for the pod cache before registering
+HANDOFF_ASK_TIMEOUT_S = 10.0  # longest wait for the owner's answer to a handover request
+# How long a SIGTERMed owner keeps serving for a starting successor to ask for
+# the node (within the chart's terminationGracePeriodSeconds of 10).
+HANDOFF_WAIT_S = 5.0
+# After a handover the old daemon relays what the kubelet still sends it; it
+# may exit once none came for RELAY_QUIET_S (at most RELAY_SETTLE_MAX_S): an
+# exit under a call would leave the kubelet waiting on it for good.
+RELAY_QUIET_S = 1.5
+RELAY_SETTLE_MAX_S = 3.0
+HANDOFF_FREEZE_S = 5.0  # longest wait for the calls under way when handing over
 
 
-def socket_name(resource: Resource) -> str:
-    return f"vgpu-{resource.value}.sock"
+def socket_name(resource: Resource, alternate: bool = False) -> str:
+    """A resource's socket in the device-plugin directory. Two daemons of a
+    handover serve at the same time, so the newcomer takes the other name."""
+    return f"vgpu-{resource.value}{'.2' if alternate else ''}.sock"
 
 
 def build_backend(settings: Settings) -> GpuBackend:
@@ -174,6 +200,9 @@ class Lifecycle(Protocol):
     """What `run` drives: the device plugin's Daemon or the DRA driver's."""
 
     stop: threading.Event
+    # Set once the node was handed over to a successor: `run` then waits for
+    # its own stop signal, serving nothing (an exit would restart the container).
+    handed_off: threading.Event
 
     def start(self) -> None: ...
 
@@ -195,7 +224,20 @@ class Daemon:
         self.backend = backend or build_backend(settings)
         self.stop = threading.Event()
         self.stopping = threading.Event()
+        self.handed_off = threading.Event()
         self.store = ContainerStore(settings.state_dir, settings.memory_unit_mib)
+        self.node_lock = NodeLock(settings.state_dir)
+        self.handoff = HandoffServer(settings.state_dir, self.hand_off, self._handed)
+        self.relay = CallRelay()
+        self._ending = threading.Lock()  # a handover and a shutdown, one at a time
+        self._ended = False
+        self.socket_names = {r: socket_name(r) for r in Resource}
+        # The kubelet's connections to a predecessor's sockets, kept open (handoff.py).
+        self.kept_fds: list[int] = []
+        # This daemon's own pod (downward API), to notice a surge pod at SIGTERM.
+        self.pod_ref = (os.environ.get("POD_NAMESPACE", ""), os.environ.get("POD_NAME", ""))
+        self.took_over_s: float | None = None
+        self._handoff_started = 0.0
         self._reconcile_now = threading.Event()
         self.pods = build_pods(settings, self._reconcile_now.set)
         self.node_publisher = build_node_publisher(settings, self.pods)
@@ -239,6 +281,10 @@ class Daemon:
             pre_start_required=False, get_preferred_allocation_available=True
         )
         self.servers: dict[Resource, PluginServer] = {}
+        # Servers whose socket was removed under a kubelet that still streams
+        # from them: kept serving (an ended stream would disconnect the new
+        # registration, see handoff.py) until shutdown.
+        self.retired: list[PluginServer] = []
         self._registered_with: tuple[int, int] | None = None
         self._register_lock = threading.Lock()
         self._next_attempt = 0.0
@@ -309,6 +355,12 @@ class Daemon:
         self.pods.start(self.stop)
         self.node_publisher.start(self.stop)
         s.device_plugin_dir.mkdir(parents=True, exist_ok=True)
+        self._await_pod_cache()
+        # Everything above only reads; what follows writes the node's state
+        # and serves its sockets, so it waits for the node to be ours.
+        if not self._take_node():
+            return
+        self._start_handoff_server()
         try:
             self.store.prepare()
         except OSError as exc:
@@ -327,7 +379,6 @@ class Daemon:
             self.metrics = Metrics(self, container_names=s.metrics_container_names)
             self.metrics.serve(s.metrics_address)
         self._serve()
-        self._await_pod_cache()
         self._try_register()
         self._spawn("backend-watch", self._watch_backend)
         self._spawn("plugin-dir-watch", self.watcher.run, self.stop, self._current_registration)
@@ -337,6 +388,114 @@ class Daemon:
         self._spawn("state-retry", self._state_retry_loop)
         self._spawn("device-nodes", self._device_node_loop)
         self._start_arbiter()
+
+    # ---------------------------------------------------------- handover
+
+    def _take_node(self) -> bool:
+        """Own the node: take its lock, asking a running owner to hand over
+        first. False when stopped while waiting."""
+        try:
+            if self.node_lock.try_acquire():
+                return True
+        except OSError as exc:
+            # The state directory is unusable; start-up serves from memory then.
+            log.error("cannot take %s (%s); not checking for another daemon", exc.filename, exc)
+            return True
+        started = time.monotonic()
+        # The owner's sockets are there: serve under the other names.
+        plugin_dir = self.settings.device_plugin_dir
+        self.socket_names = {
+            r: socket_name(r, alternate=(plugin_dir / socket_name(r)).exists()) for r in Resource
+        }
+        log.warning(
+            "another vgpu daemon owns this node (%s is locked); asking it to hand over",
+            self.node_lock.path,
+        )
+        try:
+            self.kept_fds = request_handoff(
+                self.settings.state_dir,
+                [self.socket_names[r] for r in Resource],
+                HANDOFF_ASK_TIMEOUT_S,
+            )
+        except HandoffError as exc:
+            log.warning("%s; waiting for it to stop", exc)
+
+        def waiting(waited_s: float) -> None:
+            log.warning("still waiting for the other vgpu daemon to leave (%.0f s)", waited_s)
+
+        if not self.node_lock.acquire(self.stop, waiting):
+            return False
+        self.took_over_s = time.monotonic() - started
+        log.info("took this node over in %.3f s", self.took_over_s)
+        self._event("handoff", {"seconds": self.took_over_s})
+        return True
+
+    def _start_handoff_server(self) -> None:
+        try:
+            self.handoff.start()
+        except OSError as exc:
+            log.error(
+                "cannot listen on %s (%s); an upgrade will stop this daemon before the new "
+                "one starts",
+                self.handoff.path,
+                exc.strerror,
+            )
+
+    def hand_off(self, names: list[str]) -> Outcome:
+        """Hand the node to a successor that will serve `names` (HandoffServer's
+        thread): hold the kubelet's calls, stop every loop, write what is
+        pending, release the lock. The streams stay open (handoff.py)."""
+        with self._ending:
+            if self._ended:
+                return "the daemon is stopping", []
+            if len(names) != len(Resource) or set(names) & set(self.socket_names.values()):
+                return f"socket names {names} are not two names this daemon is not using", []
+            self._ended = True
+            self._handoff_started = time.monotonic()
+            log.warning("a new vgpu daemon asks for this node: handing it over")
+            self.handed_off.set()
+            if not self.relay.freeze(HANDOFF_FREEZE_S):
+                log.warning(
+                    "calls still under way after %.0f s; handing over anyway", HANDOFF_FREEZE_S
+                )
+            self._stop_loops()
+            fds = duplicate(accepted_fds(self._socket_paths()) + self.kept_fds)
+            self.node_lock.release()
+            return None, fds
+
+    def _handed(self, names: list[str]) -> None:
+        """The successor has the node: relay the held calls to it."""
+        plugin_dir = self.settings.device_plugin_dir
+        self.relay.point_to({r: plugin_dir / n for r, n in zip(Resource, names, strict=True)})
+        log.info(
+            "handed this node over in %.3f s; relaying the kubelet's calls to %s until stopped",
+            time.monotonic() - self._handoff_started,
+            ", ".join(names),
+        )
+
+    def _stop_loops(self) -> None:
+        """Every loop, timer and the metrics server, and write what is pending;
+        the kubelet's sockets are not touched."""
+        self.stop.set()
+        self._reconcile_now.set()
+        self.service.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        deadline = time.monotonic() + STOP_TIMEOUT_S / 2
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        try:
+            self.service.flush_unwritten()
+        except Exception:
+            log.exception("writing the last unwritten records failed")
+        self.podresources.close()
+        self.store.close()
+
+    def _successor_starting(self) -> str | None:
+        namespace, name = self.pod_ref
+        if not self.node_lock.held or not name:
+            return None
+        return self.pods.successor(namespace, name)
 
     def _device_node_loop(self) -> None:
         device_node_watch(self.service.check_device_nodes, self.stop)
@@ -398,15 +557,20 @@ class Daemon:
     def _watch_backend(self) -> None:
         watch_backend(self.backend, self.stop, self.service.set_cards, self.service.on_event)
 
-    def _serve(self) -> None:
-        for server in self.servers.values():
-            server.stop(0)
+    def _serve(self, keep_streams: bool = False) -> None:
+        if keep_streams:
+            self.retired.extend(self.servers.values())
+        else:
+            for server in self.servers.values():
+                server.stop(0)
         self.servers = {}
         for resource in Resource:
             servicer = DevicePluginServicer(
-                self.service, resource, self.options, self.stopping, self._on_call
+                self.service, resource, self.options, self.stopping, self._on_call, self.relay
             )
-            server = PluginServer(servicer, self.settings.device_plugin_dir / socket_name(resource))
+            server = PluginServer(
+                servicer, self.settings.device_plugin_dir / self.socket_names[resource]
+            )
             server.start()
             self.servers[resource] = server
         log.info("serving %s", ", ".join(str(p) for p in self._socket_paths()))
@@ -427,7 +591,7 @@ class Daemon:
                 for resource in Resource:
                     register(
                         self.settings.device_plugin_dir,
-                        socket_name(resource),
+                        self.socket_names[resource],
                         self.service.resource_name(resource),
                         self.options,
                     )
@@ -458,10 +622,21 @@ class Daemon:
     def _on_kubelet_restart(self, why: str) -> None:
         if self.stop.is_set():
             return
+        # Our socket removed under the kubelet we registered with: its streams
+        # from the old servers are alive and must stay so.
+        same_kubelet = self._registered_with_current_kubelet()
         self.service.kubelet_restarted(why)
         log.warning("kubelet restart noticed (%s): serving again and re-registering", why)
+        if not same_kubelet:
+            # A predecessor's connections and our old servers: the restarted
+            # kubelet has dropped them.
+            kept, self.kept_fds = self.kept_fds, []
+            close_all(kept)
+            for server in self.retired:
+                server.stop(0)
+            self.retired = []
         self._registered_with = None
-        self._serve()
+        self._serve(keep_streams=same_kubelet)
         self._try_register()
 
     def _start_arbiter(self) -> None:
@@ -502,19 +677,34 @@ class Daemon:
     # ---------------------------------------------------------- shutdown
 
     def shutdown(self) -> None:
-        self.stopping.set()
-        self.stop.set()
-        self._reconcile_now.set()
-        self.service.close()
-        for server in self.servers.values():
-            server.stop(0.2)
-        if self.metrics is not None:
-            self.metrics.close()
-        deadline = time.monotonic() + STOP_TIMEOUT_S / 2
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        self.podresources.close()
-        self.store.close()
+        successor = None if self.handed_off.is_set() else self._successor_starting()
+        if successor:
+            # A rolling update: the new daemon's pod is starting. Serve on until
+            # it asks for the node, so no admission meets a node without devices.
+            log.info(
+                "pod %s will take over this node; serving until it asks (at most %.0f s)",
+                successor,
+                HANDOFF_WAIT_S,
+            )
+            if not self.handoff.done.wait(HANDOFF_WAIT_S):
+                log.warning("%s did not ask within %.0f s; stopping", successor, HANDOFF_WAIT_S)
+        with self._ending:
+            if self._ended:
+                self.handoff.close(unlink=False)
+                if self.handed_off.is_set() and not self.relay.settle(
+                    RELAY_QUIET_S, RELAY_SETTLE_MAX_S
+                ):
+                    log.warning("the kubelet still calls this daemon; leaving anyway")
+                log.info("stopped (this node was handed over)")
+                return
+            self._ended = True
+            self.handoff.close()
+            self.stopping.set()  # the streams end: the kubelet turns the devices unhealthy
+            self._stop_loops()
+            for server in [*self.servers.values(), *self.retired]:
+                server.stop(0.2)
+            close_all(self.kept_fds)
+            self.node_lock.release()
         log.info("stopped; sockets removed")
 
 
@@ -534,7 +724,8 @@ def run(settings: Settings, factory: Callable[[Settings], Lifecycle] = Daemon) -
     """Run until SIGTERM/SIGINT. Exit codes: 0 clean stop, 2 bad config, 3 backend unusable."""
     raise_open_file_limit()
     daemon = factory(settings)
-    stop_on_signals(daemon.stop, log)
+    signalled = threading.Event()
+    stop_on_signals(daemon.stop, log, signalled)
     try:
         daemon.start()
     except ConfigError as exc:
@@ -548,4 +739,11 @@ def run(settings: Settings, factory: Callable[[Settings], Lifecycle] = Daemon) -
     while not daemon.stop.wait(1.0):
         pass
     daemon.shutdown()
+    if daemon.handed_off.is_set():
+        # Exiting before the stop signal would restart this container, which
+        # would ask for the node back. Then leave without a gRPC shutdown: that
+        # would end the kubelet's streams, which the successor keeps open.
+        signalled.wait()
+        logging.shutdown()
+        os._exit(0)
     return 0

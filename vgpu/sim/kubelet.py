@@ -7,8 +7,12 @@ the way the kubelet's device manager does (see ``/work/shared/KUBELET.md``):
   dials the plugin's socket (10 s timeout), calls ``GetDevicePluginOptions`` and keeps *that*
   answer (not the options in the request), then consumes ``ListAndWatch`` on a background
   thread.  Every message replaces the resource's device list.  A new registration for the same
-  resource replaces the old one.  When a stream ends or fails, all of the resource's devices
-  turn Unhealthy and the simulator never reconnects: the plugin has to register again.
+  resource replaces the old one; the old stream is left open (the kubelet does not close it).
+  When a stream ends or fails, all of the resource's devices turn Unhealthy and the simulator
+  never reconnects: the plugin has to register again.  A replaced registration's stream that
+  ends does the same to the *current* registration (seen on kubelet 1.36.2: it disconnects
+  the newer client, closing its stream, and marks the resource's devices Unhealthy until
+  the plugin registers again).
 * :meth:`KubeletSimulator.admit` admits one pod at a time: init containers first, then app
   containers; per container, resources in random (seeded) order unless ``resource_order`` is
   given; reuse of init-container IDs; ``GetPreferredAllocation`` (when the plugin advertises it)
@@ -293,6 +297,7 @@ class _Resource:
     messages: int = 0
     max_message_bytes: int = 0
     conn: _Conn | None = None
+    replaced: list[_Conn] = field(default_factory=list)  # older registrations, still open
 
 
 @dataclass
@@ -561,6 +566,10 @@ class KubeletSimulator:
                 res.conn.closed = True
                 conns.append(res.conn)
                 res.conn = None
+            for old in res.replaced:
+                old.closed = True
+                conns.append(old)
+            res.replaced.clear()
         self._bump()
         return conns
 
@@ -638,14 +647,14 @@ class KubeletSimulator:
         conn.thread = thread
         with self._lock:
             if epoch != self._epoch or not self._serving:
-                old = None
                 stale = True
             else:
                 stale = False
                 res = self._resources.setdefault(
                     request.resource_name, _Resource(request.resource_name)
                 )
-                old = res.conn
+                if res.conn is not None:
+                    res.replaced.append(res.conn)
                 res.conn = conn
                 res.registrations += 1
                 res.options = options
@@ -655,8 +664,6 @@ class KubeletSimulator:
         if stale:
             conn.close()
             context.abort(grpc.StatusCode.UNAVAILABLE, "kubelet is restarting")
-        if old is not None:
-            old.close()
 
     def _consume(self, conn: _Conn) -> None:
         call = conn.call
@@ -682,6 +689,27 @@ class KubeletSimulator:
             self._bump()
 
     def _on_stream_end(self, conn: _Conn) -> None:
+        with self._lock:
+            res = self._resources.get(conn.resource)
+            current: _Conn | None = None
+            if res is not None and conn in res.replaced and not conn.closed:
+                # The kubelet looks its client up by resource name, so the end
+                # of a replaced stream disconnects the current registration.
+                res.replaced.remove(conn)
+                res.devices = dict.fromkeys(res.devices, UNHEALTHY)
+                conn.closed = True
+                current, res.conn = res.conn, None
+                if current is not None:
+                    current.closed = True
+                self._bump()
+                stale_end = True
+            else:
+                stale_end = False
+        if stale_end:
+            conn.channel.close()
+            if current is not None:
+                current.close()
+            return
         with self._lock:
             res = self._resources.get(conn.resource)
             if res is None or res.conn is not conn or conn.closed:

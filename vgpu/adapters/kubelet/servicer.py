@@ -6,6 +6,7 @@ unexpected becomes INTERNAL with a generic message and a logged traceback.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from vgpu.core.contract import ContainerEdits
 from vgpu.core.errors import (
     ApiUnavailable,
     DiskFull,
+    HandedOver,
     InsufficientCapacity,
     InvalidRequest,
     PlacementConflict,
@@ -97,6 +99,7 @@ _STATUS: list[tuple[type[VgpuError], grpc.StatusCode]] = [
     (StateReadOnly, grpc.StatusCode.FAILED_PRECONDITION),
     (StateIOError, grpc.StatusCode.UNAVAILABLE),
     (ApiUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (HandedOver, grpc.StatusCode.UNAVAILABLE),
 ]
 
 
@@ -127,6 +130,119 @@ def device_list_message(devices: Sequence[DeviceView]) -> pb.ListAndWatchRespons
     )
 
 
+RELAY_WAIT_S = 30.0  # longest a call waits for the successor to be named
+RELAY_CALL_S = 30.0  # longest the successor may take to answer a relayed call
+
+
+class CallRelay:
+    """What a daemon that hands its node over does with the kubelet's calls.
+
+    `freeze()` lets the calls under way finish and holds every later one, and
+    every ListAndWatch stream stays open and silent: a stream that ends after
+    the successor registered would make the kubelet disconnect the successor
+    (seen on kubelet 1.36.2). Once `point_to()` names the successor's sockets,
+    held and later calls are relayed there and answered with its answer.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._frozen = False
+        self._running = 0
+        self._targets: dict[Resource, Path] | None = None
+        self._channels: dict[Resource, grpc.Channel] = {}
+        self._never = threading.Event()
+        self._relaying = 0
+        self._last_relay = time.monotonic()
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[bool]:
+        """Around one call; yields True when it must be relayed."""
+        with self._cond:
+            relay = self._frozen
+            if not relay:
+                self._running += 1
+        try:
+            yield relay
+        finally:
+            if not relay:
+                with self._cond:
+                    self._running -= 1
+                    self._cond.notify_all()
+
+    def freeze(self, timeout_s: float) -> bool:
+        """Hold new calls; True once none is under way (False on timeout)."""
+        with self._cond:
+            self._frozen = True
+            return self._cond.wait_for(lambda: self._running == 0, timeout_s)
+
+    def point_to(self, targets: dict[Resource, Path]) -> None:
+        with self._cond:
+            self._targets = dict(targets)
+            self._cond.notify_all()
+
+    def settle(self, quiet_s: float, max_s: float) -> bool:
+        """Wait until no relayed call is under way and none came for `quiet_s`
+        (the kubelet talks to the successor now), at most `max_s`; the old
+        daemon may exit then. True when settled."""
+        deadline = time.monotonic() + max_s
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                quiet_until = self._last_relay + quiet_s
+                if self._relaying == 0 and now >= quiet_until:
+                    return True
+                if now >= deadline:
+                    return False
+                self._cond.wait(min(deadline, max(quiet_until, now + 0.05)) - now)
+
+    def hold_stream(self) -> None:
+        """A frozen ListAndWatch waits here, sending nothing."""
+        self._never.wait(5.0)
+
+    def relay(self, method: str, resource: Resource, request: object) -> object:
+        """Send one call to the successor; its answer, or its error as a VgpuError."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._targets is not None, RELAY_WAIT_S):
+                raise HandedOver(
+                    f"this vgpu daemon is handing the node over and the new daemon did not "
+                    f"take it within {RELAY_WAIT_S:.0f} s; see both daemons' logs on this node"
+                )
+            targets = self._targets
+            assert targets is not None
+            channel = self._channels.get(resource)
+            if channel is None:
+                channel = grpc.insecure_channel(f"unix://{targets[resource]}")
+                self._channels[resource] = channel
+            self._relaying += 1
+        stub = pb_grpc.DevicePluginStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            # wait_for_ready: the successor's socket appears once it has the placements.
+            answer: object = getattr(stub, method)(
+                request, timeout=RELAY_CALL_S, wait_for_ready=True
+            )
+            return answer
+        except grpc.RpcError as exc:
+            raise _RelayedError(exc.code(), exc.details() or "") from exc
+        finally:
+            with self._cond:
+                self._relaying -= 1
+                self._last_relay = time.monotonic()
+                self._cond.notify_all()
+
+
+class _RelayedError(Exception):
+    """The successor's own refusal, passed on with its code."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     """Serves one resource; built per socket."""
 
@@ -137,22 +253,35 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         options: pb.DevicePluginOptions,
         stopping: threading.Event,
         on_call: Callable[[str, Resource, float, str], None] | None = None,
+        relay: CallRelay | None = None,
     ) -> None:
         self.core = core
         self.resource = resource
         self.options = options
         self.stopping = stopping
         self.on_call = on_call
+        self.relay = relay
         self._streams = 0
         self._lock = threading.Lock()
         self._cache: tuple[int, pb.ListAndWatchResponse] | None = None
 
-    def _guard(self, method: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+    def _guard(
+        self,
+        method: str,
+        context: grpc.ServicerContext,
+        fn: Callable[[], T],
+        request: object = None,
+    ) -> T:
         start = time.perf_counter()
         outcome = "ok"
         try:
             try:
-                return fn()
+                with self._calls() as relayed:
+                    if relayed:
+                        outcome = "relayed"
+                        assert self.relay is not None
+                        return self.relay.relay(method, self.resource, request)  # type: ignore[return-value]
+                    return fn()
             except OSError as os_error:
                 # An OS error the daemon did not name itself (e.g. EMFILE opening
                 # a file): still a named refusal, never a generic INTERNAL.
@@ -162,6 +291,9 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     f"answer {method}",
                     os_error.strerror or "",
                 ) from os_error
+        except _RelayedError as exc:
+            outcome = "relayed_error"
+            context.abort(exc.code, exc.details)
         except VgpuError as exc:
             outcome = type(exc).__name__
             code = status_for(exc)
@@ -184,6 +316,9 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             if self.on_call is not None:
                 self.on_call(method, self.resource, time.perf_counter() - start, outcome)
         raise AssertionError("unreachable")  # pragma: no cover - abort raises
+
+    def _calls(self) -> contextlib.AbstractContextManager[bool]:
+        return self.relay.call() if self.relay is not None else contextlib.nullcontext(False)
 
     def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.ServicerContext
@@ -212,6 +347,9 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         try:
             sent = -1
             while context.is_active() and not self.stopping.is_set():
+                if self.relay is not None and self.relay.frozen:
+                    self.relay.hold_stream()  # open and silent for good (CallRelay)
+                    continue
                 version, message = self._message()
                 if version != sent:
                     yield message
@@ -258,7 +396,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 out.container_responses.add(deviceIDs=ids)
             return out
 
-        return self._guard("GetPreferredAllocation", context, run)
+        return self._guard("GetPreferredAllocation", context, run, request)
 
     def Allocate(
         self, request: pb.AllocateRequest, context: grpc.ServicerContext
@@ -294,7 +432,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     resp.cdi_devices.add(name=name)
             return out
 
-        return self._guard("Allocate", context, run)
+        return self._guard("Allocate", context, run, request)
 
     def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
@@ -304,7 +442,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             self.core.prestart(self.resource, list(request.devices_ids))
             return pb.PreStartContainerResponse()
 
-        return self._guard("PreStartContainer", context, run)
+        return self._guard("PreStartContainer", context, run, request)
 
 
 class PluginServer(UnixServer):
