@@ -1012,7 +1012,15 @@ def test_ports_reach_every_component() -> None:
         }
     )
     daemon = _pod_spec(objects, "DaemonSet", "vgpu")["containers"][0]
-    assert daemon["ports"] == [{"name": "metrics", "containerPort": 19400, "protocol": "TCP"}]
+    # On the host network no port is declared (it would be a host port, and
+    # an upgrade's surge pod could not be scheduled beside the old one).
+    assert "ports" not in daemon
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert daemon[probe]["httpGet"]["port"] == 19400, probe
+    pod_net = _pod_spec(render({"daemon": {"metricsPort": 19400}}), "DaemonSet", "vgpu")
+    assert pod_net["containers"][0]["ports"] == [
+        {"name": "metrics", "containerPort": 19400, "protocol": "TCP"}
+    ]
     cm = yaml.safe_load(one(objects, "ConfigMap", "vgpu-config")["data"]["config.yaml"])
     assert cm["metrics_address"] == "0.0.0.0:19400"
 

@@ -215,7 +215,7 @@ def test_only_labelled_namespaces_reach_the_metrics_port(
         {"namespaceSelector": {"matchLabels": {"vendor.io/vgpu-metrics": "allow"}}}
     ]
     (port,) = container["ports"]
-    assert rule["ports"] == [{"protocol": "TCP", "port": port["name"]}]
+    assert rule["ports"] == [{"protocol": "TCP", "port": port["containerPort"]}]
     # Per-tenant names stay off the unauthenticated endpoint.
     assert not yaml.safe_load(_config_text()).get("metrics_container_names", False)
 
@@ -228,8 +228,9 @@ def test_metrics_port_matches_the_config(container: dict[str, Any]) -> None:
     assert annotations["prometheus.io/port"] == str(port)
     # Alive while it serves; Ready only while the API server is reachable too
     # (api_unready_after_s): /readyz says why it is not.
-    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    # By number: on the host network no port is declared to name.
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port}
 
 
 # --------------------------------------------------------------- DaemonSet
