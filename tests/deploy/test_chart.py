@@ -1204,6 +1204,14 @@ def test_the_daemon_rolls_with_a_surge_and_the_dra_driver_one_at_a_time() -> Non
     assert plugin["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
     dra = one(render({"mode": "dra"}), "DaemonSet")["spec"]["updateStrategy"]
     assert dra["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    # The old device plugin may wait 20 s for its successor; the DRA driver not.
+    grace = {
+        mode: one(render({"mode": mode}), "DaemonSet")["spec"]["template"]["spec"][
+            "terminationGracePeriodSeconds"
+        ]
+        for mode in ("device-plugin", "dra")
+    }
+    assert grace == {"device-plugin": 30, "dra": 10}
     env = {
         e["name"]
         for e in one(render({"mode": "dra"}), "DaemonSet")["spec"]["template"]["spec"][

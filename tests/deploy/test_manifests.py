@@ -282,7 +282,8 @@ def test_node_name_comes_from_the_downward_api(container: dict[str, Any]) -> Non
 def test_scheduling(daemonset: dict[str, Any], pod_spec: dict[str, Any]) -> None:
     assert pod_spec["nodeSelector"] == {"vendor.io/vgpu": "true"}
     assert pod_spec["priorityClassName"] == "system-node-critical"
-    assert pod_spec["terminationGracePeriodSeconds"] == 10
+    # Room for the handover wait (20 s) and the shutdown after it.
+    assert pod_spec["terminationGracePeriodSeconds"] == 30
     assert {
         "key": "nvidia.com/gpu",
         "operator": "Exists",

@@ -85,8 +85,9 @@ DEVICE_NODE_CHECK_S = 5.0  # how soon a card whose device node vanished turns un
 START_SYNC_WAIT_S = 5.0  # longest start-up wait for the pod cache before registering
 HANDOFF_ASK_TIMEOUT_S = 10.0  # longest wait for the owner's answer to a handover request
 # How long a SIGTERMed owner keeps serving for a starting successor to ask for
-# the node (within the chart's terminationGracePeriodSeconds of 10).
-HANDOFF_WAIT_S = 5.0
+# the node (within the chart's terminationGracePeriodSeconds of 30). Seen on
+# the real kit under load: the new daemon asked 7 s after its container started.
+HANDOFF_WAIT_S = 20.0
 # After a handover the old daemon relays what the kubelet still sends it; it
 # may exit once none came for RELAY_QUIET_S (at most RELAY_SETTLE_MAX_S): an
 # exit under a call would leave the kubelet waiting on it for good.
