@@ -96,14 +96,17 @@ def daemon_pod(name: str, node: str, created: str) -> dict[str, Any]:
     return pod
 
 
-def assert_served_by_the_new_daemon(node: SimNode) -> None:
-    """The kubelet's registrations point at the new daemon's sockets, and a
-    pod admitted now gets its answer."""
-    for name in ("vgpu-vcuda-core.2.sock", "vgpu-vcuda-memory.2.sock"):
+def assert_served_by_the_new_daemon(node: SimNode, suffix: str = ".2") -> None:
+    """The kubelet's registrations point at the new daemon's sockets (the old
+    daemon's files are gone), and a pod admitted now gets its answer."""
+    other = "" if suffix else ".2"
+    for resource in ("vcuda-core", "vcuda-memory"):
+        assert not (node.plugin_dir / f"vgpu-{resource}{other}.sock").exists()
+    for name in (f"vgpu-vcuda-core{suffix}.sock", f"vgpu-vcuda-memory{suffix}.sock"):
         assert (node.plugin_dir / name).is_socket(), sorted(
             p.name for p in node.plugin_dir.iterdir()
         )
-    result = node.submit(node.pod("after", {CORE: 3, MEM: 3}))
+    result = node.submit(node.pod(f"after{suffix}", {CORE: 3, MEM: 3}))
     assert result.ok, (result.error, node.log()[-3000:])
 
 
@@ -133,9 +136,16 @@ def test_a_new_daemon_takes_the_node_over_with_no_failed_admission(sim_node: Nod
     assert_served_by_the_new_daemon(node)
     # Every placement made by either daemon is the new daemon's now.
     keys = {c["pod"] for c in status(node)["containers"]}
-    admitted = {r.pod.name for r in [*before, *burst.results]} | {"after"}
+    admitted = {r.pod.name for r in [*before, *burst.results]} | {"after.2"}
     assert admitted <= keys, admitted - keys
-    adopt(node, second)
+    # The next upgrade takes the first names again.
+    third = start_second_daemon(node)
+    assert wait_until(lambda: node.log().count("took this node over") == 2, 30), node.log()[-3000:]
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(10) == 0
+    time.sleep(0.5)
+    assert_served_by_the_new_daemon(node, suffix="")
+    adopt(node, third)
 
 
 @pytest.mark.timeout(90)

@@ -50,6 +50,11 @@ class UnixServer:
         server, self._server = self._server, None
         if server is not None:
             server.stop(grace_s).wait(grace_s + 1.0)
+        self.unlink()
+
+    def unlink(self) -> None:
+        """Remove the socket file if it is still this server's; the
+        connections already made stay."""
         try:
             if self._inode is not None and self.socket_path.stat().st_ino == self._inode:
                 self.socket_path.unlink()

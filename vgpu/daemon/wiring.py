@@ -461,6 +461,10 @@ class Daemon:
                 )
             self._stop_loops()
             fds = duplicate(accepted_fds(self._socket_paths()) + self.kept_fds)
+            # The files only: the kubelet's connections stay. The next
+            # newcomer then finds only the successor's names taken.
+            for server in [*self.servers.values(), *self.retired]:
+                server.unlink()
             self.node_lock.release()
             return None, fds
 
