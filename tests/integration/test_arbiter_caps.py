@@ -60,7 +60,12 @@ def _gauges(prefix: str, port: int = PORT) -> dict[str, float]:
 
 
 def _budget_files(node: SimNode) -> list[Path]:
-    return sorted(node.state_dir.rglob(budget.FILE_NAME))
+    """The containers' budget files (not those of the directories made ahead)."""
+    return sorted(
+        p
+        for p in node.state_dir.rglob(budget.FILE_NAME)
+        if not any(part.startswith(".") for part in p.relative_to(node.state_dir).parts)
+    )
 
 
 def _wait(check: Callable[[], Any], timeout_s: float) -> tuple[Any, float]:

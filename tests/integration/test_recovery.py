@@ -336,3 +336,69 @@ def test_prestart_recreates_a_deleted_config(sim_node: NodeMaker) -> None:
     assert after["core_percent"] == 20
     assert not state_problems(node)
     assert live_app_containers(node)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("lost", ["nothing", "the directory"])
+def test_kill9_right_after_allocate_keeps_the_placement(sim_node: NodeMaker, lost: str) -> None:
+    """SIGKILL the moment the container's last Allocate answered, before any
+    reconcile looked at the kubelet. With "the directory": the container's
+    directory is gone as well, as after a power cut before the filesystem
+    committed it (only the placement journal's entry was synced, issue 30).
+    The restarted daemon has the placement from its own state, under the key
+    the kubelet's saved answer mounts, and nothing is adopted."""
+    node = sim_node()
+    result = node.submit(node.pod("k9", {CORE: 30, MEM: 40}))
+    node.kill_daemon()
+    assert_admitted_ok(result)
+    directory = config_dir(result)
+    before = json.loads((directory / "config.json").read_text())
+    if lost == "the directory":
+        shutil.rmtree(directory)
+    restart_daemon(node)
+    log = node.log()
+    assert "recovered 1 placement(s)" in log
+    assert ("restored from the placement journal" in log) == (lost == "the directory")
+    assert "adopted" not in log
+    assert json.loads((directory / "config.json").read_text()) == before
+    assert_mount_points_at_record(result)
+    assert (directory / "shared" / "vgpu.shm").is_file()
+    wait_consistent(node)
+    assert [c["pod"] for c in status(node)["containers"]] == ["k9"]
+
+
+@pytest.mark.timeout(60)
+def test_kill9_between_a_containers_two_allocates_keeps_the_first(sim_node: NodeMaker) -> None:
+    """The record of a container's first resource is written without an fsync
+    (its second replaces it moments later), but a killed daemon never loses it:
+    the restarted one recovers it from the journal (its config.json is still
+    the empty file of a directory made ahead)."""
+    node = sim_node()
+    pod = node.pod("half", {CORE: 20, MEM: 30})
+    node.create(pod)
+    channel, stub = plugin_stub(node, Resource.CORE)
+    with channel:
+        free = sorted(node.kubelet.devices(CORE))
+        preferred = stub.GetPreferredAllocation(
+            pb.PreferredAllocationRequest(
+                container_requests=[
+                    pb.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=free, allocation_size=20
+                    )
+                ]
+            ),
+            timeout=10,
+        )
+        ids = list(preferred.container_responses[0].deviceIDs)
+        answer = stub.Allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]),
+            timeout=10,
+        )
+    node.kill_daemon()
+    mounted = {m.container_path: m.host_path for m in answer.container_responses[0].mounts}
+    directory = Path(mounted["/etc/vgpu"])
+    restart_daemon(node)
+    assert "recovered 1 placement(s)" in node.log()
+    record = json.loads((directory / "config.json").read_text())
+    assert sorted(record["device_ids"]["vcuda-core"]) == sorted(ids)
+    assert record["pod"]["name"] == "half"

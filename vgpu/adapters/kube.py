@@ -363,6 +363,7 @@ class KubePodCache:
         self._cond = threading.Condition()
         self._synced = False
         self._version = 0
+        self._sorted: list[ContainerSpec] | None = None  # candidates(), until a change
         self._patches: queue.Queue[tuple[str, str, dict[str, str | None]]] = queue.Queue()
         self._api: Any = None
         self.health = ApiHealth()  # the daemon's /readyz reads it
@@ -399,12 +400,22 @@ class KubePodCache:
         # order they were bound here: by the resourceVersion we first saw them at
         # (a pending pod's is its binding's), then by creation time.
         with self._cond:
-            specs = [s for specs in self._specs.values() for s in specs]
-            arrival = dict(self._arrival)
-        return sorted(
-            specs,
-            key=lambda s: (arrival.get(s.pod_uid, 0), s.created_s, s.namespace, s.pod, s.order),
-        )
+            cached = self._sorted
+            if cached is None:
+                specs = [s for specs in self._specs.values() for s in specs]
+                arrival = self._arrival
+                cached = self._sorted = sorted(
+                    specs,
+                    key=lambda s: (
+                        arrival.get(s.pod_uid, 0),
+                        s.created_s,
+                        s.namespace,
+                        s.pod,
+                        s.order,
+                    ),
+                )
+        # Sorted once per change of the cache, not at each of the kubelet's calls.
+        return list(cached)
 
     def synced(self) -> bool:
         return self._synced
@@ -529,6 +540,7 @@ class KubePodCache:
                     self._specs[uid] = container_specs(obj, self.domain)
                 else:
                     self._specs.pop(uid, None)
+            self._sorted = None
             self._version += 1
             self._cond.notify_all()
         return gone and (existed or kind == "DELETED")
@@ -553,6 +565,7 @@ class KubePodCache:
                     with self._cond:
                         self._pods.clear()
                         self._specs.clear()
+                        self._sorted = None
                         self._arrival = {u: n for u, n in self._arrival.items() if u in listed}
                     for item in data.get("items", []):
                         self._apply("ADDED", item)

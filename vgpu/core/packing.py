@@ -29,6 +29,8 @@ import hashlib
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
+from typing import cast
 
 from vgpu.core import fit
 from vgpu.core.errors import (
@@ -142,11 +144,24 @@ class Ledger:
         """Replace the card list (health changes, a card gone). Placements stay."""
         self.cards = {c.uuid: c for c in cards}
         self._seen.update(self.cards)
+        # Each card's short IDs of both resources, in index order (_ids_on).
+        self._card_ids: dict[CardUuid, list[DeviceId]] = {
+            card.uuid: [
+                d
+                for resource in Resource
+                for d in card_device_ids(card, resource, self.memory_unit_mib)
+            ]
+            for card in self.cards.values()
+        }
         self._index = {
             device_id: (card.uuid, resource, i)
             for card in self.cards.values()
             for resource in Resource
             for i, device_id in enumerate(card_device_ids(card, resource, self.memory_unit_mib))
+        }
+        self._resource_index = {
+            resource: {d: found for d, found in self._index.items() if found[1] is resource}
+            for resource in Resource
         }
 
     def lookup(self, device_id: str) -> tuple[CardUuid, Resource, int] | None:
@@ -344,7 +359,7 @@ class Ledger:
 
     def _release_offered(self, resource: Resource, available: Collection[DeviceId]) -> list[str]:
         """IDs the kubelet offers as free are not held by any live container."""
-        offered = set(available)
+        offered = available.keys() if isinstance(available, dict) else set(available)
         # Held slots among the offered IDs, at C speed: short IDs are their own
         # slot; the few others (legacy IDs) are mapped one by one.
         slots = self._holders.keys() & offered
@@ -476,9 +491,22 @@ class Ledger:
     ) -> list[DeviceId]:
         chosen = list(dict.fromkeys(must_include))
         taken = set(chosen)
-        order = {c: i for i, c in enumerate(cards)}
         if where is None:
             where = self._known_map(None, available)
+        if not self._legacy:
+            # Every slice is known by its short ID: walk the cards' IDs in index
+            # order and stop at `size` (the same choice as ranking every
+            # offered ID, without the sort; a binpacked card's free slices sit
+            # right after its held ones).
+            for card in dict.fromkeys(cards):
+                for device_id in self._card_ids.get(card, ()):
+                    if len(chosen) >= size:
+                        return chosen
+                    if device_id in where and device_id not in taken:
+                        chosen.append(device_id)
+                        taken.add(device_id)
+            return chosen
+        order = {c: i for i, c in enumerate(cards)}
         ranked = sorted(
             (d for d in available if d not in taken and d in where and where[d][0] in order),
             key=lambda d: (order[where[d][0]], where[d][2]),
@@ -513,10 +541,10 @@ class Ledger:
         for device_id in must:
             known.pop(device_id, None)
         avail = list(known)
-        released = self._release_offered(resource, avail)
+        released = self._release_offered(resource, known)
         if len(must) >= size:
             return must[:size], released
-        offered: dict[CardUuid, int] = dict(Counter(f[0] for f in known.values()))
+        offered: dict[CardUuid, int] = dict(Counter(map(itemgetter(0), known.values())))
 
         spec = self._match(resource, size, candidates)
         pending = self._pending
@@ -804,6 +832,12 @@ class Ledger:
         """The slices of `resource` (any, for None) among `ids`, in their order,
         with what each names; one pass (this walks every offered ID)."""
         index = self._index
+        ids = ids if isinstance(ids, list | tuple) else list(ids)
+        # At C speed first: the usual offer is short IDs of this resource only.
+        get = (index if resource is None else self._resource_index[resource]).get
+        fast = {raw: f for raw in ids if (f := get(raw)) is not None}
+        if len(fast) == len(ids):
+            return cast(dict[DeviceId, tuple[CardUuid, Resource, int]], fast)
         out: dict[DeviceId, tuple[CardUuid, Resource, int]] = {}
         for raw in ids:
             found = index.get(raw)

@@ -188,13 +188,23 @@ class Metrics:
             registry=self.registry,
         )
         self._server: BoundedHttpServer | None = None
+        # Labelled children by their labels: `labels()` costs a lock and a
+        # validation each time, on every kubelet call (issue 30).
+        self._children: dict[tuple[int | str, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key: tuple[int | str, ...] = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def call(self, method: str, resource: Resource, seconds: float, outcome: str) -> None:
-        self.calls.labels(method, resource.value, outcome).inc()
-        self.latency.labels(method, resource.value).observe(seconds)
+        self._child(self.calls, method, resource.value, outcome).inc()
+        self._child(self.latency, method, resource.value).observe(seconds)
 
     def event(self, kind: str, fields: dict[str, Any]) -> None:
-        self.events.labels(kind).inc()
+        self._child(self.events, kind).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

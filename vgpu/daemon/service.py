@@ -475,9 +475,11 @@ class PluginService:
                     self._ensure_hook(placement)
                     if placement.key not in known:
                         self._clear_directory(placement.key)
-                    # One durable write per container: the record written for
-                    # its first resource is replaced at its second (same key).
-                    self._write(placement, durable=not self.ledger.awaits_more(placement.key))
+                    # One durable write per container, before its last answer:
+                    # the record written at its first resource is replaced at
+                    # its second (same key) moments later (ContainerStore.write).
+                    complete = not self.ledger.awaits_more(placement.key)
+                    self._write(placement, durable=complete, complete=complete)
                 except StateUnwritable:
                     self.ledger.release(placement.key)
                     if placement.key in known:
@@ -485,14 +487,20 @@ class PluginService:
                     else:
                         self.store.discard(placement.key)  # nothing half-written stays
                     raise
-                log.info(
-                    "placed %s on %s: core %d%%, memory %s (%s)",
-                    placement.key,
-                    ",".join(placement.cards),
-                    placement.core_percent,
-                    f"{placement.memory_mib} MiB" if placement.memory_mib else "no limit",
-                    f"{self.resource_name(resource)} x{len(device_ids)}",
-                )
+                # One line per container, once its placement is complete (the
+                # first of its two resources only at debug: ~0.06 ms a line on
+                # the Allocate path).
+                level = logging.INFO if complete else logging.DEBUG
+                if log.isEnabledFor(level):
+                    log.log(
+                        level,
+                        "placed %s on %s: core %d%%, memory %s (%s)",
+                        placement.key,
+                        ",".join(placement.cards),
+                        placement.core_percent,
+                        f"{placement.memory_mib} MiB" if placement.memory_mib else "no limit",
+                        f"{self.resource_name(resource)} x{len(device_ids)}",
+                    )
                 self.events("placement", {"key": placement.key, "resource": resource.value})
             self._republish_if_legacy_changed()
             answer = self._deduplicated(placement.key, resource, self.answer(placement))
@@ -620,10 +628,10 @@ class PluginService:
             self._note_state(error)
             raise error from failed
 
-    def _write(self, placement: Placement, durable: bool = True) -> None:
+    def _write(self, placement: Placement, durable: bool = True, complete: bool = True) -> None:
         """Write a placement's record; a named StateUnwritable when the disk refuses."""
         try:
-            self.store.write(placement, durable=durable)
+            self.store.write(placement, durable=durable, complete=complete)
         except OSError as exc:
             error = state_error(
                 exc.errno,
@@ -1078,7 +1086,7 @@ class PluginService:
 
     def recover(self) -> None:
         """Rebuild the ledger from our records, then check them with the kubelet."""
-        placements, bad = self.store.load_all()
+        placements, bad = self.store.recover()
         self._recovered = len(placements)
         with self._lock:
             for placement in placements:
