@@ -399,3 +399,65 @@ def test_reconcile_releases_a_stale_in_flight_placement() -> None:
     assert led.reconcile(frozenset(), now_s=10) == []
     assert [r.key for r in led.reconcile(frozenset(), now_s=40)] == [p.key]
     assert led.blind_pending_key() is None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["admit", "remove", "sick", "well"]), st.integers(0, 10**6)),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_the_kept_free_ids_answer_as_the_walk_over_every_offered_id(
+    steps: list[tuple[str, int]],
+) -> None:
+    """Issue 30: an offer equal to the IDs no placement holds is answered from
+    what the ledger keeps, without walking the offer. Whatever happened before,
+    that is exactly what the kubelet offers, and the answer is the one the walk
+    over every offered ID gives (forced here by a legacy ID held elsewhere)."""
+    import copy
+
+    from vgpu.core.model import DeviceId
+
+    ledger = Ledger(cards(3), memory_unit_mib=UNIT, policy=Policy.BINPACK)
+    kubelet = Kubelet(ledger)
+    live = []
+    shapes = [(5, 4), (30, 100), (100, 0), (0, 40), (60, 200)]
+    for action, n in steps:
+        if action == "admit":
+            core, mem = shapes[n % len(shapes)]
+            try:
+                live.append(kubelet.admit(spec(core, mem)))
+            except Exception:
+                pass
+        elif action == "remove" and live:
+            kubelet.remove(live.pop(n % len(live)))
+        else:
+            uuid = list(ledger.cards)[n % 3]
+            ledger.set_cards(
+                [
+                    replace(c, healthy=action == "well") if c.uuid == uuid else c
+                    for c in ledger.cards.values()
+                ]
+            )
+        for resource in Resource:
+            assert ledger._free[resource] == set(kubelet.available(resource))
+            counts = {c: k for c, k in ledger._free_counts[resource].items() if k}
+            want: dict[CardUuid, int] = {}
+            for d in kubelet.available(resource):
+                card = ledger.lookup(d)
+                assert card is not None
+                want[card[0]] = want.get(card[0], 0) + 1
+            assert counts == want
+    for resource, size in ((Resource.CORE, 5), (Resource.MEMORY, 4), (Resource.CORE, 100)):
+        walk = copy.deepcopy(ledger)
+        walk._legacy = {DeviceId("9c0.zzzz"): DeviceId("GPU-none-c0")}  # forces the walk
+        offer = kubelet.available(resource)
+        try:
+            fast = ledger.preferred(resource, offer, [], size)
+        except Exception as exc:
+            with pytest.raises(type(exc)):
+                walk.preferred(resource, offer, [], size)
+            continue
+        assert fast == walk.preferred(resource, offer, [], size)

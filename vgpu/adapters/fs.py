@@ -560,7 +560,8 @@ class SparePool:
     filesystem commits its metadata for everyone at once, so making directories
     while the kubelet admits would lengthen the kubelet's own checkpoint fsync
     (a burst larger than the pool makes the rest of its directories inline).
-    `COUNT` spares hold 5 MiB of budget files.
+    `COUNT` spares hold 10 MiB of budget files: 40 admissions at once on 2
+    H200s took 32 and made 8 directories inline, at ~0.5 ms more each.
 
     A spare is a dot name, so it is never a record key, and no container ever
     saw it: its budget file is the zero-filled file `budget.ensure` made, its
@@ -568,7 +569,7 @@ class SparePool:
     left by an earlier run are taken again when intact, trashed otherwise.
     """
 
-    COUNT = 32
+    COUNT = 64
     IDLE_S = 1.0
 
     def __init__(self, root: Path, trash: Callable[[Path], None]) -> None:

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import cast
@@ -163,6 +164,22 @@ class Ledger:
             resource: {d: found for d, found in self._index.items() if found[1] is resource}
             for resource in Resource
         }
+        # What the kubelet should offer: each resource's IDs on healthy cards
+        # that no placement holds, and how many per card; kept up to date by
+        # restore() and release(), so that an offer equal to it needs no walk
+        # over its IDs (preferred()).
+        self._free: dict[Resource, set[DeviceId]] = {
+            resource: {
+                d
+                for d, found in self._resource_index[resource].items()
+                if self.cards[found[0]].healthy and d not in self._holders
+            }
+            for resource in Resource
+        }
+        self._free_counts: dict[Resource, Counter[CardUuid]] = {
+            resource: Counter(self._resource_index[resource][d][0] for d in free)
+            for resource, free in self._free.items()
+        }
 
     def lookup(self, device_id: str) -> tuple[CardUuid, Resource, int] | None:
         """(card, resource, index) of a slice of a present card, by its short ID or
@@ -235,6 +252,10 @@ class Ledger:
             self._holders.setdefault(slot, set()).add(placement.key)
             card, resource = self._card_of(device_id, placement)
             self._held.setdefault((card, resource), set()).add(slot)
+            free = self._free[resource]
+            if slot in free:
+                free.discard(slot)
+                self._free_counts[resource][card] -= 1
             if slot != device_id:
                 self._legacy[slot] = device_id
                 self.legacy_version += 1
@@ -254,6 +275,14 @@ class Ledger:
                     del self._holders[slot]
                     card, resource = self._card_of(device_id, placement)
                     self._held.get((card, resource), set()).discard(slot)
+                    present = self.cards.get(card)
+                    if (
+                        present is not None
+                        and present.healthy
+                        and slot in self._resource_index[resource]
+                    ):
+                        self._free[resource].add(slot)
+                        self._free_counts[resource][card] += 1
                     if self._legacy.get(slot) == device_id:
                         del self._legacy[slot]
                         self.legacy_version += 1
@@ -487,7 +516,9 @@ class Ledger:
         available: Sequence[DeviceId],
         must_include: Sequence[DeviceId],
         size: int,
-        where: dict[DeviceId, tuple[CardUuid, Resource, int]] | None = None,
+        where: Mapping[DeviceId, tuple[CardUuid, Resource, int]]
+        | AbstractSet[DeviceId]
+        | None = None,
     ) -> list[DeviceId]:
         chosen = list(dict.fromkeys(must_include))
         taken = set(chosen)
@@ -506,6 +537,8 @@ class Ledger:
                         chosen.append(device_id)
                         taken.add(device_id)
             return chosen
+        if not isinstance(where, Mapping):
+            where = self._known_map(None, available)
         order = {c: i for i, c in enumerate(cards)}
         ranked = sorted(
             (d for d in available if d not in taken and d in where and where[d][0] in order),
@@ -537,14 +570,22 @@ class Ledger:
         """
         self.check_preferred(resource, must_include, size)
         must = [DeviceId(d) for d in must_include]
-        known = self._known_map(resource, available)
-        for device_id in must:
-            known.pop(device_id, None)
-        avail = list(known)
-        released = self._release_offered(resource, known)
+        known: Mapping[DeviceId, tuple[CardUuid, Resource, int]] | AbstractSet[DeviceId]
+        free = self._free[resource]
+        if not must and not self._legacy and len(available) == len(free) and free == set(available):
+            # The kubelet offers exactly what no placement holds (the usual
+            # case): nothing to release, and the counts per card are kept.
+            known, avail, released = free, [], []
+            offered: dict[CardUuid, int] = dict(self._free_counts[resource])
+        else:
+            mapped = self._known_map(resource, available)
+            for device_id in must:
+                mapped.pop(device_id, None)
+            known, avail = mapped, list(mapped)
+            released = self._release_offered(resource, mapped)
+            offered = dict(Counter(map(itemgetter(0), mapped.values())))
         if len(must) >= size:
             return must[:size], released
-        offered: dict[CardUuid, int] = dict(Counter(map(itemgetter(0), known.values())))
 
         spec = self._match(resource, size, candidates)
         pending = self._pending
