@@ -1,6 +1,10 @@
 """``python -m bench [--quick] [--out FILE] [--only SECTION ...]``: run, print, write JSON.
 
 ``python -m bench soak [--minutes 30]``: the soak (bench/soak.py).
+
+``python -m bench extender --real|--stand-in [--nodes 200] [--pods 1000]``: the
+extender against the real kube-scheduler and API server of ../shared/realk8s,
+or against the in-repo stand-ins (bench/extender_kit.py).
 """
 
 from __future__ import annotations
@@ -326,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import soak
 
         return soak.main(argv[1:])
+    if argv[:1] == ["extender"]:  # python -m bench extender --real|--stand-in ...
+        from bench import extender_kit
+
+        return extender_kit.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small counts (CI, under a minute)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON file ({DEFAULT_OUT})")

@@ -135,3 +135,60 @@ def test_bench_quick_writes_every_section(tmp_path: Path) -> None:
         assert _numbers(hooks["metrics"])
     else:
         assert hooks["reason"]
+
+
+@pytest.mark.timeout(200)
+def test_bench_extender_stand_in_mode_runs_and_the_kit_checks_catch_overcommit(
+    tmp_path: Path,
+) -> None:
+    """`python -m bench extender --stand-in` end to end (small); the real mode's
+    pure parts: the chart's scheduler configuration it runs, and the checks it
+    applies to the assignments (the kit itself is not started here)."""
+    from bench import extender_kit as kit
+
+    out = tmp_path / "ext.json"
+    argv = ["extender", "--stand-in", "--nodes", "20", "--pods", "60", "--rounds", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", *argv, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["kind"].startswith("stand-ins")
+    assert result["vgpu"]["bound"] == result["baseline"]["bound"] == 60
+    assert result["overcommitted_cards"] == 0 and len(result["ratios"]) == 1
+
+    config = kit.vgpu_config((1000, 1000), 4321)
+    assert config["clientConnection"] == {"kubeconfig": "@KUBECONFIG@", "qps": 1000, "burst": 1000}
+    assert config["profiles"][0]["schedulerName"] == "vgpu-scheduler"
+    (extender,) = config["extenders"]
+    assert extender["urlPrefix"] == "http://127.0.0.1:4321" and extender["bindVerb"] == "bind"
+    assert extender["nodeCacheCapable"] is True
+    assert "qps" not in kit.default_config(None)["clientConnection"]  # stock: the defaults
+
+    nodes = kit.node_objects(2)
+    cards = [
+        json.loads(n["metadata"]["annotations"]["vendor.io/vgpu-node"])["cards"] for n in nodes
+    ]
+    card = cards[0][0]["uuid"]
+
+    def bound(name: str, core: int, node: str, uuid: str) -> dict[str, Any]:
+        pod = kit.pod_object(name, "vgpu-scheduler", core, 16, "s")
+        pod["spec"]["nodeName"] = node
+        assignment = {"node": "node-0000", "containers": {"main": [uuid]}}
+        pod["metadata"]["annotations"] = {"vendor.io/vgpu-assignment": json.dumps(assignment)}
+        return pod
+
+    fine = [bound("a", 60, "node-0000", card), bound("b", 40, "node-0000", card)]
+    assert kit.check_assignments(fine, nodes)["overcommitted_cards"] == 0
+    over = [*fine, bound("c", 10, "node-0000", card)]
+    assert kit.check_assignments(over, nodes)["overcommitted_cards"] == 1
+    elsewhere = [bound("d", 10, "node-0001", card)]  # its card is not on its node
+    assert kit.check_assignments(elsewhere, nodes)["cards_not_on_the_pods_node"] == 1
+    pending = [*fine, kit.pod_object("e", "vgpu-scheduler", 30, 16, "s")]  # 15 cards have room
+    checks = kit.check_assignments(pending, nodes)
+    assert checks["pending"] == 1 and checks["pending_though_a_card_fits"] == 1

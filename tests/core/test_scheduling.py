@@ -4,6 +4,7 @@ prioritize and bind choices with the node's fit rules."""
 from __future__ import annotations
 
 import itertools
+import random
 from dataclasses import replace
 
 import pytest
@@ -208,7 +209,9 @@ def test_the_echo_of_our_own_bind_keeps_the_assumed_holds_and_a_differing_one_is
     b.assume(p.uid, "n", p.specs, plan)
     holds = b.nodes["n"].holds[p.uid]
     b.nodes["n"].memo[1] = "kept"  # an answer computed with the assumption counted
-    b.set_pod(replace(p, node="n", assignment=Assignment("n", dict(plan.cards))))
+    # The echo as the watch decodes it: its specs carry the assignment's cards.
+    echo = tuple(replace(c, assigned=plan.cards[c.container]) for c in p.specs)
+    b.set_pod(replace(p, node="n", assignment=Assignment("n", dict(plan.cards)), specs=echo))
     # Confirmed as it was assumed: the same holds object, the node's memo still valid.
     assert p.uid not in b.assumed and b.nodes["n"].holds[p.uid] is holds
     assert b.nodes["n"].memo == {1: "kept"} and core_used(b, "n") == [60, 0]
@@ -354,6 +357,43 @@ def test_the_fast_path_places_several_slices_as_place_pod_does(
     running: list[tuple[tuple[int, int], int]], new: list[tuple[int, int]], policy: Policy
 ) -> None:
     _check_fast_paths(running, specs(*new), policy)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(running_pods, min_size=1, max_size=4),
+    st.lists(slices, min_size=1, max_size=3) | st.tuples(wholes),
+    st.sampled_from(list(Policy)),
+    st.randoms(use_true_random=False),
+)
+def test_choose_is_filter_then_pick_in_one_pass(
+    per_node: list[list[tuple[tuple[int, int], int]]],
+    new: list[tuple[int, int]] | tuple[tuple[int, int]],
+    policy: Policy,
+    rng: random.Random,
+) -> None:
+    """The picking filter's one pass chooses the node that filter, then pick over
+    the nodes that passed, would choose (or None where none passes), in any
+    node order, with the memo cold or warm."""
+    b = ClusterBook(DOMAIN)
+    names = [f"n{i}" for i in range(len(per_node))] + ["nowhere"]
+    for name, running in zip(names, per_node, strict=False):
+        b.set_node(name, inventory(2))
+        for request, card in running:
+            try:
+                plan = b.plan(specs(request), name)
+            except (NoRoom, InvalidRequest):
+                continue
+            b.set_pod(pod(request, node=name, placements=dict(plan.cards) if card else None))
+    rng.shuffle(names)
+    asked = specs(*new)
+    for _ in range(3):  # cold, from the ranks, and after the chosen node changed
+        chosen = b.choose(asked, names, policy)
+        passed = b.filter(asked, names).passed
+        assert chosen == (b.pick(asked, passed, policy) if passed else None)
+        assert chosen == b.choose(asked, names, policy)  # asked again: the same
+        if chosen is not None:  # the pod takes its room there, as a pick does
+            b.assume(f"held-{rng.random()}", chosen, asked, b.plan(asked, chosen))
 
 
 def test_the_memo_forgets_when_the_node_changes() -> None:

@@ -167,6 +167,12 @@ def test_filter_with_node_names_answers_with_the_go_field_names(ext: Extender) -
     result = ext.post("filter", _args(pod, ["n-free", "n-full", "n-cpu"]))
     assert set(result) == RESULT_KEYS
     assert result["NodeNames"] == ["n-free"] and result["Nodes"] is None and result["Error"] == ""
+    # A node picked: the others are left out, without reasons (kube-scheduler
+    # reads the reasons only when no node passes).
+    assert result["FailedNodes"] == {} and result["FailedAndUnresolvableNodes"] == {}
+    # No node fits: every node's reason.
+    result = ext.post("filter", _args(pod, ["n-full", "n-cpu"]))
+    assert set(result) == RESULT_KEYS and result["NodeNames"] == [] and result["Error"] == ""
     assert result["FailedNodes"]["n-full"].startswith("vgpu: no card fits vendor.io/vcuda-core=30")
     assert "has 20 core" in result["FailedNodes"]["n-full"]
     assert "no vendor.io/vgpu-node annotation" in result["FailedAndUnresolvableNodes"]["n-cpu"]
@@ -461,7 +467,9 @@ def test_filter_answers_the_one_node_it_picks_and_holds_its_room(ext: Extender) 
     before = _picked(ext)
     result = ext.post("filter", _args(pod, ["n-free", "n-full", "n-cpu"]))
     assert result["NodeNames"] == ["n-full"]
-    assert set(result["FailedAndUnresolvableNodes"]) == {"n-cpu"} and not result["FailedNodes"]
+    # The nodes left out (n-free fits, n-cpu has no vgpu) are neither failed nor
+    # unresolvable: the answer is one name, whatever the cluster's size.
+    assert not result["FailedAndUnresolvableNodes"] and not result["FailedNodes"]
     assert _picked(ext) == before + 1
     # Filtered again (a new scheduling attempt): the same answer, one pick.
     assert ext.post("filter", _args(pod, ["n-free", "n-full"]))["NodeNames"] == ["n-full"]

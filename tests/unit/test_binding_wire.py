@@ -22,7 +22,7 @@ import pytest
 
 from vgpu.adapters.certs import make_bundle
 from vgpu.adapters.httpwire import WireError, read_response, request_bytes
-from vgpu.adapters.kube_cluster import BindError, KubeBinder
+from vgpu.adapters.kube_cluster import BIND_CONNECTIONS, BindError, KubeBinder
 from vgpu.sim.apiserver import FakeApiServer, make_pod
 
 DOMAIN = "vendor.io"
@@ -143,6 +143,34 @@ def test_a_burst_of_concurrent_binds_keeps_its_connections(
     assert pool is not None and len(kept) == pool.num_connections  # every one came back
 
 
+def test_binds_beyond_the_pools_size_wait_for_a_connection(
+    api: tuple[FakeApiServer, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """More binds at once than connections kept (the real kube-scheduler had 287
+    in flight): the rest wait for a connection instead of opening (and shaking
+    hands on) one each that is then discarded."""
+    server, kubeconfig = api
+    server.set_delay(0.02)
+    # Fewer connections than the default 64, so that a loaded test box's accept
+    # backlog is not what is tested; the default is checked below.
+    assert KubeBinder(kubeconfig, DOMAIN, 5.0).connections == BIND_CONNECTIONS
+    connections, count = 8, 40
+    uids = [server.add_pod(make_pod(f"w{i}", node=None))["metadata"]["uid"] for i in range(count)]
+    binder = KubeBinder(kubeconfig, DOMAIN, 5.0, connections=connections)
+    threads = [
+        threading.Thread(target=binder.bind, args=("default", f"w{i}", uid, "n1", "{}"))
+        for i, uid in enumerate(uids)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(1 for p in server.pods() if p["spec"].get("nodeName") == "n1") == count
+    assert not [r for r in caplog.records if "pool is full" in r.getMessage()]
+    target = binder._pool_target
+    assert target is not None and target.pool.num_connections <= connections
+
+
 def test_api_errors_name_the_status_and_the_servers_message(
     api: tuple[FakeApiServer, Path],
 ) -> None:
@@ -155,8 +183,47 @@ def test_api_errors_name_the_status_and_the_servers_message(
     with pytest.raises(BindError, match=r"HTTP 409: .*already"):
         binder.bind("default", "p", uid, "n2", "{}")
     server.set_down(True)
-    with pytest.raises(BindError, match="HTTP 503"):
+    with pytest.raises(BindError, match="HTTP 503") as refused:
         binder.bind("default", "p", uid, "n2", "{}")
+    assert not refused.value.maybe_landed  # unavailable: not taken
+
+
+def test_a_bind_says_whether_its_binding_may_still_land(tmp_path: Path) -> None:
+    """Sent and unanswered (a timeout, a connection closed before the answer)
+    may land later; an answer of 4xx, or a server never reached, did not."""
+    with RawServer(created) as server:
+        server.silent = True
+        with pytest.raises(BindError) as timed_out:
+            binder_for(tmp_path, server, timeout_s=0.5).bind("default", "p", "u", "n1", "{}")
+    assert timed_out.value.maybe_landed
+    with RawServer(lambda *_: None) as server, pytest.raises(BindError) as hung_up:
+        binder_for(tmp_path, server).bind("default", "p", "u", "n1", "{}")
+    assert hung_up.value.maybe_landed
+    conflict = b'{"kind":"Status","code":409,"message":"already assigned"}'
+    answer = (
+        b"HTTP/1.1 409 Conflict\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(conflict)}\r\n\r\n".encode()
+        + conflict
+    )
+    with RawServer(lambda *_: answer) as server, pytest.raises(BindError) as refused:
+        binder_for(tmp_path, server).bind("default", "p", "u", "n1", "{}")
+    assert not refused.value.maybe_landed
+    late = b'{"kind":"Status","code":504,"message":"Timeout: request did not complete"}'
+    answer = (
+        b"HTTP/1.1 504 Gateway Timeout\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(late)}\r\n\r\n".encode()
+        + late
+    )
+    with RawServer(lambda *_: answer) as server, pytest.raises(BindError) as timed_out:
+        binder_for(tmp_path, server).bind("default", "p", "u", "n1", "{}")
+    assert timed_out.value.maybe_landed  # the API server may go on with the write
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens: never sent
+    kubeconfig = kubeconfig_for(tmp_path / "kc2", f"http://127.0.0.1:{port}")
+    with pytest.raises(BindError) as unreachable:
+        KubeBinder(kubeconfig, DOMAIN, 1.0).bind("default", "p", "u", "n1", "{}")
+    assert not unreachable.value.maybe_landed
 
 
 # ------------------------------------------------------------ a raw server
@@ -293,6 +360,44 @@ def test_tls_token_path_prefix_and_one_write_per_binding(tmp_path: Path) -> None
     assert binding["kind"] == "Binding" and binding["target"]["name"] == "n1"
     assert binding["metadata"]["uid"] == "uid-1"
     assert binding["metadata"]["annotations"] == {KEY: '{"node":"n1"}'}
+
+
+def test_the_auth_headers_are_asked_of_the_client_once_a_second_and_after_a_401(
+    tmp_path: Path,
+) -> None:
+    refused = b'{"kind":"Status","code":401,"message":"Unauthorized"}'
+
+    def answer(method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
+        if "/pods/stale/" in target:
+            return (
+                b"HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(refused)}\r\n\r\n".encode()
+                + refused
+            )
+        return created()
+
+    with RawServer(answer) as server:
+        kubeconfig = kubeconfig_for(
+            tmp_path / "kc", f"http://127.0.0.1:{server.port}", token="s3cret"
+        )
+        binder = KubeBinder(kubeconfig, DOMAIN, 5.0)
+        client = binder._client().api_client
+        asked: list[int] = []
+        update = client.update_params_for_auth
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            asked.append(1)
+            return update(*args, **kwargs)
+
+        client.update_params_for_auth = counted
+        binder.bind("default", "p", "u1", "n1", "{}")
+        binder.bind("default", "q", "u2", "n1", "{}")
+        assert len(asked) == 1  # within the second: the same headers
+        with pytest.raises(BindError, match="HTTP 401: Unauthorized"):
+            binder.bind("default", "stale", "u3", "n1", "{}")
+        binder.bind("default", "r", "u4", "n1", "{}")
+        assert len(asked) == 2  # a 401 makes the next bind ask again
+    assert all(h["authorization"] == "Bearer s3cret" for _, _, h, _ in server.requests)
 
 
 def test_a_connection_the_server_closed_is_never_reused(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -17,11 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.core.test_scheduling import inventory, pod
-from vgpu.adapters.extender_http import BindRequest
+from vgpu.adapters.extender_http import BindRequest, PodRequest
 from vgpu.adapters.kube_cluster import BindError
+from vgpu.core.annotations import parse_assignment
 from vgpu.core.model import Policy
 from vgpu.core.scheduling import PodInfo
-from vgpu.daemon.extender_service import ExtenderService
+from vgpu.daemon.extender_service import UNSURE_HOLD_S, ExtenderService
 
 DOMAIN = "vendor.io"
 
@@ -131,6 +133,61 @@ def test_a_failed_bind_releases_its_assumption() -> None:
     # The room it held is free again for the next pod.
     assert svc.bind(BindRequest(second.namespace, second.name, second.uid, "n")) == ""
     assert svc.counts()["assumed"] == 1
+
+
+class UnsureBinder(GateBinder):
+    """Every Binding is sent, and no answer comes back in time."""
+
+    def bind(self, namespace: str, name: str, uid: str, node: str, assignment: str) -> None:
+        self.calls.append((uid, node, assignment))
+        raise BindError("binding: timed out; the scheduler retries the pod", maybe_landed=True)
+
+
+def test_a_bind_that_may_still_land_keeps_its_room_until_the_cache_shows_the_pod() -> None:
+    """Seen on the real kube-scheduler under load: binds timed out, their room was
+    given to other pods, then the Bindings landed with their assignments, and
+    cards were overcommitted. A Binding sent and not answered keeps its room."""
+    now = [100.0]
+    first, second = pod((60, 20)), pod((60, 20))
+    binder = UnsureBinder()
+    svc = ExtenderService(DOMAIN, Policy.BINPACK, binder, clock=lambda: now[0])
+    svc.nodes_listed({"n": (inventory(1), "")})
+    svc.pods_listed([first, second])
+    svc.synced("nodes", True)
+    svc.synced("pods", True)
+    error = svc.bind(BindRequest(first.namespace, first.name, first.uid, "n"))
+    assert "timed out" in error
+    assert svc.counts()["assumed"] == 1  # the room stays held
+    # The other pod cannot have that card meanwhile; the same pod is not placed anew.
+    assert "no longer fits" in svc.bind(BindRequest(second.namespace, second.name, second.uid, "n"))
+    held = svc.filter(request(first), ["n"])
+    assert isinstance(held, str) and "may still land" in held
+    assert "may still land" in svc.bind(BindRequest(first.namespace, first.name, first.uid, "n"))
+    # The Binding did land: the watch shows the pod bound with its assignment.
+    _, _, text = binder.calls[0]
+    assignment = parse_assignment(text)
+    echo = replace(first, node="n", assignment=assignment)
+    echo = replace(
+        echo,
+        specs=tuple(replace(c, assigned=assignment.containers[c.container]) for c in echo.specs),
+    )
+    svc.pod_changed(echo)
+    assert svc.counts()["assumed"] == 0 and not isinstance(svc.filter(request(first), ["n"]), str)
+    # One that never lands is given back after UNSURE_HOLD_S.
+    third = pod((60, 20))
+    svc.pod_deleted(first.uid)
+    svc.pod_changed(third)
+    assert "timed out" in svc.bind(BindRequest(third.namespace, third.name, third.uid, "n"))
+    assert "no longer fits" in svc.bind(BindRequest(second.namespace, second.name, second.uid, "n"))
+    now[0] += UNSURE_HOLD_S + 1
+    assert svc.counts()["assumed"] == 0
+    binder.calls.clear()
+    assert "timed out" in svc.bind(BindRequest(second.namespace, second.name, second.uid, "n"))
+    assert binder.calls and binder.calls[0][0] == second.uid  # its room was free again
+
+
+def request(p: PodInfo) -> PodRequest:
+    return PodRequest(p.uid, p.namespace, p.name, p.specs)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

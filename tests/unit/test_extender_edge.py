@@ -2,11 +2,14 @@
 resourceVersion) (kube-scheduler sends the same pod to filter, then to
 prioritize; a changed pod, a pod without one, or a different pod is decoded
 afresh), and its directly written HostPriorityList is the JSON json.dumps
-would write."""
+would write. Last, over a socket: a connection's thread is kept for the next."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -23,6 +26,7 @@ from vgpu.adapters.extender_http import (
 )
 from vgpu.adapters.kube_cluster import pod_info
 from vgpu.core.scheduling import FilterVerdict
+from vgpu.sim.harness import wait_until
 
 CORE, MEM = "vendor.io/vcuda-core", "vendor.io/vcuda-memory"
 
@@ -129,3 +133,43 @@ def test_a_pending_pod_the_watch_decoded_is_not_decoded_again() -> None:
         assert port.pods[-1].specs[0].request.core_percent == 90
     finally:
         edge.close()
+
+
+def _threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "extender-conn")
+
+
+def _get(port: int, close: bool) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/healthz", headers={"Connection": "close"} if close else {})
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_a_connection_thread_is_kept_for_the_next_connection() -> None:
+    """kube-scheduler opens a connection for most binds of a burst (Go keeps two
+    idle): the thread that served one serves the next, none is started anew."""
+    edge = ExtenderHttp(_Scores(), "vendor.io", "127.0.0.1:0")
+    edge.start()
+    before = _threads()
+    try:
+        port = edge.address[1]
+        for _ in range(5):
+            assert _get(port, close=True) == 200
+            # The thread goes back to wait once the socket is shut.
+            assert wait_until(lambda: len(edge._server._idle) == 1, 5)
+        assert _threads() - before == 1
+        # Connections open at once get a thread each, kept after.
+        held = [socket.create_connection(edge.address, timeout=5) for _ in range(3)]
+        assert wait_until(lambda: _threads() - before == 3, 5)
+        for sock in held:
+            sock.close()
+        assert wait_until(lambda: len(edge._server._idle) == 3, 5)
+        assert _get(port, close=False) == 200
+        assert _threads() - before == 3
+    finally:
+        edge.close()
+    # Closed: the waiting threads end.
+    assert wait_until(lambda: _threads() == before, 5)

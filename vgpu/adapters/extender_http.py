@@ -41,6 +41,7 @@ from vgpu.core.scheduling import MAX_SCORE, FilterVerdict, PodInfo
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a 5,000-node NodeList fits
+WORKER_IDLE_S = 60.0  # a connection thread left without a connection this long ends
 VERBS = ("filter", "prioritize", "bind")
 
 
@@ -164,10 +165,15 @@ def _nodes(args: dict[str, Any]) -> tuple[list[str], dict[str, Any] | None]:
     names = args.get("NodeNames")
     node_list = args.get("Nodes")
     if names is not None:
-        # One pass of type() over the names (a generator of isinstance calls
-        # was a fifth of a filter's own time at 100 nodes).
-        if not isinstance(names, list) or not set(map(type, names)) <= {str}:
+        # str.join takes only strings: a C loop over the names (a generator of
+        # isinstance calls was a fifth of a filter's own time at 100 nodes, and
+        # set(map(type, ...)) 16 us at the 420 names sent at 1,000 nodes).
+        if not isinstance(names, list):
             raise BadRequest("ExtenderArgs.NodeNames must be a list of node names")
+        try:
+            "".join(names)
+        except TypeError:
+            raise BadRequest("ExtenderArgs.NodeNames must be a list of node names") from None
         return names, None
     if node_list is not None:
         items = node_list.get("items") if isinstance(node_list, dict) else None
@@ -198,13 +204,70 @@ def _bind_args(args: dict[str, Any]) -> BindRequest:
 # ------------------------------------------------------------------ server
 
 
+class _Worker:
+    """One connection thread: serves a connection, then waits for the next."""
+
+    def __init__(self) -> None:
+        self.wake = threading.Event()
+        self.conn: tuple[Any, Any] | None = None
+
+
 class _Server(ThreadingHTTPServer):
+    """A thread per open connection, as ThreadingHTTPServer, but threads are
+    kept: one whose connection closed waits WORKER_IDLE_S for the next.
+
+    kube-scheduler's client keeps only two idle connections to an extender
+    (Go's default per host), so binding cycles running at once open and close
+    a connection for most binds (about 550 per 1,000 pods in a stream on the
+    real scheduler): a new thread for each was ~6 % of the extender's CPU."""
+
     daemon_threads = True
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], edge: ExtenderHttp) -> None:
         self.edge = edge
+        self._idle: list[_Worker] = []  # most recently idle last
+        self._idle_lock = threading.Lock()
+        self._closing = False
         super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._idle_lock:
+            worker = self._idle.pop() if self._idle else None
+        if worker is not None:
+            worker.conn = (request, client_address)
+            worker.wake.set()
+            return
+        worker = _Worker()
+        worker.conn = (request, client_address)
+        threading.Thread(
+            target=self._work, args=(worker,), name="extender-conn", daemon=True
+        ).start()
+
+    def _work(self, worker: _Worker) -> None:
+        while True:
+            conn, worker.conn = worker.conn, None
+            if conn is not None:
+                self.process_request_thread(*conn)  # serves, then shuts the socket
+            with self._idle_lock:
+                if self._closing:
+                    return
+                worker.wake.clear()
+                self._idle.append(worker)
+            if not worker.wake.wait(WORKER_IDLE_S):
+                with self._idle_lock:
+                    if worker in self._idle:  # not handed a connection meanwhile
+                        self._idle.remove(worker)
+                        return
+                worker.wake.wait()  # handed one just as the wait ended
+
+    def server_close(self) -> None:
+        super().server_close()
+        with self._idle_lock:
+            self._closing = True
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.wake.set()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         exc = sys.exc_info()[1]

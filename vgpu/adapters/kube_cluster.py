@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -38,16 +39,45 @@ log = logging.getLogger(__name__)
 
 LIST_PAGE = 500
 # Binding cycles run at once (kube-scheduler does not bound them): keep this
-# many connections for reuse. At the client's default (5 per CPU) a burst of
-# binds opened a connection (and a TLS handshake) per bind beyond it, and
-# urllib3 logged a warning for each one it then discarded.
+# many connections for reuse, and let no more Bindings than that be in flight
+# (the others wait for a connection). At the client's default (5 per CPU) a
+# burst of binds opened a connection (and a TLS handshake) per bind beyond it,
+# and urllib3 logged a warning for each one it then discarded; on the real
+# kube-scheduler, 1,000 pods at once had up to 287 Bindings in flight, each new
+# connection's handshake slowing the API server and the extender further
+# (binds took 0.6 s on average, up to 2.5 s).
 BIND_CONNECTIONS = 64
 MAX_ANSWER_BYTES = 2**20  # a Binding's answer is a Status of a few hundred bytes
+AUTH_TTL_S = 1.0  # the bind's auth headers are asked of the client at most this often
 ACTIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"
 
 
 class BindError(Exception):
-    """A bind's API write failed; the message says which and why."""
+    """A bind's API write failed; the message says which and why.
+
+    `maybe_landed`: the Binding was sent and no answer said it was refused (a
+    timeout, a connection lost after the request went out, a 500, 502 or 504):
+    the API server may still apply it. Otherwise it certainly did not land."""
+
+    def __init__(self, message: str, maybe_landed: bool = False) -> None:
+        super().__init__(message)
+        self.maybe_landed = maybe_landed
+
+
+def _may_go_on(status: int) -> bool:
+    """Whether a write answered `status` may still be applied: a 500, 502 or 504
+    can come while the API server (or etcd behind it) goes on with it ("Timeout:
+    request did not complete within the allowed duration"); a 503 says it was
+    not taken (unavailable, shutting down), a 4xx that it was refused."""
+    return status >= 500 and status != HTTPStatus.SERVICE_UNAVAILABLE
+
+
+class _AfterSending(Exception):
+    """A failure once the request had (maybe partly) gone out: it may land."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 class Binder(Protocol):
@@ -320,17 +350,25 @@ class _PoolTarget:
 class KubeBinder:
     """A bind's one API write (a Binding carrying the assignment), bounded by `timeout_s`."""
 
-    def __init__(self, kubeconfig: Path | None, domain: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path | None,
+        domain: str,
+        timeout_s: float,
+        connections: int = BIND_CONNECTIONS,
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.domain = domain
         self.timeout_s = timeout_s
+        self.connections = connections
         self._api: Any = None
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(connections)  # Bindings in flight
 
     def _client(self) -> Any:
         with self._lock:
             if self._api is None:
-                self._api = core_v1_api(self.kubeconfig, BIND_CONNECTIONS)
+                self._api = core_v1_api(self.kubeconfig, self.connections)
             return self._api
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -340,13 +378,17 @@ class KubeBinder:
             reply = fn()
         except ApiException as exc:
             detail = _status_message(exc.body)
-            raise BindError(f"{what}: HTTP {exc.status}: {detail or exc.reason}") from None
+            raise BindError(
+                f"{what}: HTTP {exc.status}: {detail or exc.reason}",
+                maybe_landed=_may_go_on(exc.status or 0),
+            ) from None
         except Exception as exc:  # urllib3, socket and client errors alike
             from vgpu.adapters.kube_errors import api_error_text
 
             host = getattr(getattr(self._api, "api_client", None), "configuration", None)
             text = api_error_text(exc, str(getattr(host, "host", "(not connected)")))
-            raise BindError(f"{what}: {text}; the scheduler retries the pod") from None
+            # Where the client failed is not known here: it may have been sent.
+            raise BindError(f"{what}: {text}; the scheduler retries the pod", True) from None
         data = reply.data
         reply.release_conn()
         return data
@@ -401,8 +443,8 @@ class KubeBinder:
     ) -> None:
         """The Binding as one write on a connection of the client's own urllib3
         pool (its TLS settings and kept-alive connections), with the client's
-        headers and auth (update_params_for_auth: a rotated or refreshed token
-        is picked up per bind); the Status answer read by httpwire. Through
+        headers and auth (update_params_for_auth, at most once a second, see
+        `_auth`); the Status answer read by httpwire. Through
         urllib3's request and response layers (and http.client's email-based
         header parser) a bind cost ~600 us of CPU in ~840 Python calls, and its
         head and body went out as two sends, waking the API server twice."""
@@ -418,21 +460,50 @@ class KubeBinder:
         }
         if client.cookie:
             headers["Cookie"] = str(client.cookie)
-        client.update_params_for_auth(headers, [], ["BearerToken"], path, "POST", body)
+        headers.update(self._auth(client))
+        if not self._slots.acquire(timeout=self.timeout_s):
+            raise BindError(  # never sent
+                f"{what}: {self.connections} Bindings were in flight for {self.timeout_s:g} s "
+                "(the API server is slow); the scheduler retries the pod"
+            )
         try:
             request = request_bytes("POST", path, target.host, headers, json.dumps(body).encode())
-            status, data, resent = self._exchange(pool, request)
+            try:
+                status, data, resent = self._exchange(pool, request)
+            finally:
+                self._slots.release()
             if resent and status == 409 and self._landed(namespace, name, body):
                 return  # the first write did land: the 409 is its own bind
         except Exception as exc:  # socket, TLS, urllib3 pool and malformed answers alike
             from vgpu.adapters.kube_errors import api_error_text
 
-            text = api_error_text(exc, str(client.configuration.host))
-            raise BindError(f"{what}: {text}; the scheduler retries the pod") from None
+            sent = isinstance(exc, _AfterSending)
+            cause = exc.cause if isinstance(exc, _AfterSending) else exc
+            text = api_error_text(cause, str(client.configuration.host))
+            raise BindError(f"{what}: {text}; the scheduler retries the pod", sent) from None
         if not 200 <= status <= 299:
+            if status == HTTPStatus.UNAUTHORIZED:
+                self._auth_headers = None  # the next bind asks the client again
             detail = _status_message(data)
             phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else ""
-            raise BindError(f"{what}: HTTP {status}: {detail or phrase}")
+            raise BindError(f"{what}: HTTP {status}: {detail or phrase}", _may_go_on(status))
+
+    _auth_headers: tuple[float, dict[str, str]] | None = None
+
+    def _auth(self, client: Any) -> dict[str, str]:
+        """The auth headers from the client's own configuration, asked again at
+        most once every AUTH_TTL_S (and after a 401): update_params_for_auth runs
+        the kubeconfig loader's refresh hook, which rebuilds part of the client's
+        configuration on every call (~50 us, a fifth of a bind's CPU). A rotated
+        token file or a refreshed exec token is picked up within that second."""
+        now = time.monotonic()
+        cached = self._auth_headers
+        if cached is not None and now < cached[0]:
+            return cached[1]
+        auth: dict[str, str] = {}
+        client.update_params_for_auth(auth, [], ["BearerToken"], "", "POST", None)
+        self._auth_headers = (now + AUTH_TTL_S, auth)
+        return auth
 
     def _exchange(self, pool: Any, request: bytes) -> tuple[int, bytes, bool]:
         """(status, body, whether it was sent twice) over one of the pool's
@@ -455,11 +526,13 @@ class KubeBinder:
                 try:
                     conn.sock.sendall(request)
                     status, _, data, close = read_response(reader, MAX_ANSWER_BYTES)
-                except (NoAnswer, BrokenPipeError, ConnectionResetError):
+                except (NoAnswer, BrokenPipeError, ConnectionResetError) as exc:
                     if fresh or attempt == 2:
-                        raise
+                        raise _AfterSending(exc) from exc
                     conn.close()
                     continue
+                except Exception as exc:  # timed out, or a malformed answer: sent
+                    raise _AfterSending(exc) from exc
                 finally:
                     reader.close()
                 if close:

@@ -11,7 +11,9 @@ part: under the book's lock it checks the pod still fits and records
 an assumption (so parallel binding cycles never give the same room twice);
 then, outside any lock, it makes one API call (a Binding whose metadata
 carries the assignment annotation), and drops the assumption if it fails.
-An assumption that succeeded is held until the pod cache shows the pod bound.
+An assumption that succeeded is held until the pod cache shows the pod bound;
+so is one whose Binding may still land (sent, then a timeout, a 500, 502 or
+504), for at most UNSURE_HOLD_S, and the pod is not placed anew meanwhile.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ log = logging.getLogger("vgpu.extender")
 # its binding cycle (PreBind may wait for volumes); a pod it gave up on is
 # filtered again (a new pick) or deleted (the watch drops it) long before.
 PICK_HOLD_S = 30.0
+# How long the room of a bind that may have landed (its Binding was sent, and
+# timed out or got a 500, 502 or 504) stays held while the pod cache does not
+# show the pod: the API server's default request timeout, after which it has
+# given up.
+UNSURE_HOLD_S = 60.0
 
 NOT_SYNCED = (
     "vgpu extender: its caches are not synced with the API server yet (starting, or the API "
@@ -76,6 +83,8 @@ class ExtenderService:
         self.book = ClusterBook(domain)
         self._lock = threading.Lock()
         self._binding: set[str] = set()  # pod uids with a bind in flight
+        # pod uid -> held until (monotonic s): binds that may still land, oldest first
+        self._unsure: OrderedDict[str, float] = OrderedDict()
         self._synced: dict[str, bool] = {"nodes": False, "pods": False}
         self._ever_synced: dict[str, bool] = {"nodes": False, "pods": False}
         self._ready = False  # both were synced once: it never turns back
@@ -128,10 +137,13 @@ class ExtenderService:
     def pod_changed(self, pod: PodInfo) -> None:
         with self._lock:
             self.book.set_pod(pod)
+            if pod.node:
+                self._unsure.pop(pod.uid, None)  # where it landed is known now
 
     def pod_deleted(self, uid: str) -> None:
         with self._lock:
             self.book.remove_pod(uid)
+            self._unsure.pop(uid, None)
 
     # ------------------------------------------------------------ verbs
 
@@ -141,24 +153,32 @@ class ExtenderService:
         if not self.ready():
             return NOT_SYNCED
         with self._lock:
+            if self._still_unsure(pod.uid):
+                return self._unsure_text(f"pod {pod.namespace}/{pod.name}")
             if not self.pick_node:
                 return self.book.filter(pod.specs, nodes)
             self._expire_picks()
             self._drop_pick(pod.uid)  # a pod filtered again: its earlier pick is moot
-            verdict = self.book.filter(pod.specs, nodes)
             cached = self.book.pods.get(pod.uid)
-            if not verdict.passed or (cached is not None and cached.node):
-                return verdict  # nothing fits, or the cache shows it bound: hold nothing
-            # The nodes left out fit: they are neither failed nor unresolvable.
-            chosen = self.book.pick(pod.specs, verdict.passed, self.policy)
-            verdict.passed[:] = [chosen]
+            if cached is not None and cached.node:
+                return self.book.filter(pod.specs, nodes)  # bound: hold nothing
+            chosen = self.book.choose(pod.specs, nodes, self.policy)
+            if chosen is None:
+                verdict = self.book.filter(pod.specs, nodes)
+                if not verdict.passed:
+                    return verdict  # nothing fits: each node's reason
+                chosen = self.book.pick(pod.specs, verdict.passed, self.policy)
             try:
                 plan = self.book.plan(pod.specs, chosen)
             except (NodeUnusable, NoRoom, InvalidRequest):
-                return verdict  # cannot happen for a node that passed; bind plans again
+                return self.book.filter(pod.specs, nodes)  # cannot happen for a node that fits
             self.book.assume(pod.uid, chosen, pod.specs, plan)
             self._picks[pod.uid] = _Pick(self._clock() + PICK_HOLD_S, chosen, pod.specs, plan)
-            return verdict
+            # The one node; the others are left out, neither failed nor unresolvable
+            # (kube-scheduler reads those only when no node passes, to say why and
+            # where preemption might help): the answer is the same size at 10 nodes
+            # or 5,000, and no node that does not fit is judged or explained.
+            return FilterVerdict([chosen], {}, {})
 
     def _expire_picks(self) -> None:
         """Give back the room of picks no bind came for (under _lock)."""
@@ -173,6 +193,26 @@ class ExtenderService:
         """Give back a pick's room (under _lock): nothing if `uid` has no pick."""
         if self._picks.pop(uid, None) is not None:
             self.book.forget(uid)
+
+    def _still_unsure(self, uid: str) -> bool:
+        """Whether a bind of `uid` may still land (under _lock); expired holds end
+        here, giving their room back."""
+        now = self._clock()
+        while self._unsure:
+            oldest, until = next(iter(self._unsure.items()))
+            if until > now:
+                break
+            del self._unsure[oldest]
+            self.book.forget(oldest)
+        return uid in self._unsure
+
+    @staticmethod
+    def _unsure_text(who: str) -> str:
+        return (
+            f"vgpu: the last bind of {who} may still land (its Binding was sent and no "
+            f"answer came back), so its room stays held until the pod cache shows the pod, "
+            f"at most {UNSURE_HOLD_S:.0f} s; the scheduler retries the pod"
+        )
 
     def prioritize(self, pod: PodRequest, nodes: Sequence[str]) -> list[tuple[str, int]]:
         if not pod.specs or not self.ready():
@@ -196,6 +236,8 @@ class ExtenderService:
 
     def _bind(self, request: BindRequest, who: str) -> str:
         with self._lock:
+            if self._still_unsure(request.uid):
+                return self._unsure_text(who)
             cached = self.book.pods.get(request.uid)
         if cached is None:
             # Not in the cache yet (the watch lags the scheduler's own): ask once.
@@ -240,9 +282,21 @@ class ExtenderService:
             self.binder.bind(request.namespace, request.name, request.uid, request.node, assignment)
         except BindError as exc:
             with self._lock:
-                self.book.forget(request.uid)
+                if not exc.maybe_landed:
+                    self.book.forget(request.uid)
+                elif request.uid in self.book.assumed:
+                    # It may land later, with this assignment: giving the room
+                    # back now could give these cards to another pod as well.
+                    # (Not assumed any more: the watch has shown the pod already.)
+                    self._unsure[request.uid] = self._clock() + UNSURE_HOLD_S
             self.events("bind_failed")
-            log.warning("bind of %s to %s failed: %s", who, request.node, exc)
+            log.warning(
+                "bind of %s to %s failed%s: %s",
+                who,
+                request.node,
+                " and may still land (its room stays held)" if exc.maybe_landed else "",
+                exc,
+            )
             return f"vgpu: binding {who} to {request.node} failed: {exc}"
         self.events("bound")
         # One line per pod at debug: at hundreds of binds a second, info would
@@ -261,6 +315,7 @@ class ExtenderService:
     def counts(self) -> dict[str, int]:
         with self._lock:
             self._expire_picks()  # the gauge shows no room held past its time
+            self._still_unsure("")
             # Picks are assumptions too; they are counted on their own. A pick
             # whose assumption is gone (the pod was deleted) holds nothing.
             picked = len(self._picks.keys() & self.book.assumed)
