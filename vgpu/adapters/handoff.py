@@ -66,7 +66,9 @@ class NodeLock:
         if self._fd is not None:
             return True
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # Read-only: a file held open for writing would keep the state
+        # directory's filesystem from being remounted read-only.
+        fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -75,10 +77,6 @@ class NodeLock:
         except OSError:
             os.close(fd)
             raise
-        # Who owns the node, for a person reading the file; nothing parses it.
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
         return True
 
