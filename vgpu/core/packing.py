@@ -170,7 +170,7 @@ class Ledger:
         # over its IDs (preferred()).
         self._free: dict[Resource, set[DeviceId]] = {
             resource: {
-                d
+                DeviceId(d)
                 for d, found in self._resource_index[resource].items()
                 if self.cards[found[0]].healthy and d not in self._holders
             }
