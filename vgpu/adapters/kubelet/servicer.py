@@ -182,6 +182,12 @@ class CallRelay:
     def point_to(self, targets: dict[Resource, Path]) -> None:
         with self._cond:
             self._targets = dict(targets)
+            # The kubelet calls this daemon until the successor has registered:
+            # quiet is counted from now, not from this daemon's start (an owner
+            # stopped before its successor asked left the moment it handed
+            # over, and a call sent to its sockets in between was never
+            # answered, the successor holding the connection open).
+            self._last_relay = time.monotonic()
             self._cond.notify_all()
 
     def settle(self, quiet_s: float, max_s: float) -> bool:
