@@ -369,10 +369,9 @@ def test_kill9_right_after_allocate_keeps_the_placement(sim_node: NodeMaker, los
 
 @pytest.mark.timeout(60)
 def test_kill9_between_a_containers_two_allocates_keeps_the_first(sim_node: NodeMaker) -> None:
-    """The record of a container's first resource is written without an fsync
-    (its second replaces it moments later), but a killed daemon never loses it:
-    the restarted one recovers it from the journal (its config.json is still
-    the empty file of a directory made ahead)."""
+    """The record of a container's first resource is not synced (its second
+    replaces it moments later), but a killed daemon never loses it: the
+    restarted one has it, with the IDs and the owner of that first resource."""
     node = sim_node()
     pod = node.pod("half", {CORE: 20, MEM: 30})
     node.create(pod)

@@ -117,19 +117,25 @@ def store_at(state: Path) -> ContainerStore:
     return store
 
 
-def test_with_the_journal_the_first_resources_record_is_journaled_not_written(
-    tmp_path: Path,
+def test_with_the_journal_only_its_entry_is_synced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = store_at(tmp_path)
     store.recover()
     assert store.journal.active
+    synced: list[str] = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append("fsync"))
+    monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append("fdatasync"))
     p = placement("k1")
-    paths = store.write(p, durable=False, complete=False)
+    paths = store.write(p, durable=False, complete=False)  # a container's first resource
+    assert synced == []
     assert paths.budget_file.is_file()
-    assert not paths.config_file.exists()  # written once, when the record is complete
-    paths = store.write(p)
     assert json.loads(paths.config_file.read_text()) == placement_record(p, UNIT)
-    assert PlacementJournal(store.journal.path).load()["k1"] == placement_record(p, UNIT)
+    q = placement("k1", core=30)
+    store.write(q)  # its last: durable
+    assert synced == ["fdatasync"]
+    assert json.loads(paths.config_file.read_text()) == placement_record(q, UNIT)
+    assert PlacementJournal(store.journal.path).load()["k1"] == placement_record(q, UNIT)
 
 
 def test_start_up_restores_a_directory_the_disk_lost(tmp_path: Path) -> None:
@@ -209,7 +215,7 @@ def test_a_spare_directory_becomes_a_placement_with_a_fresh_budget_file(tmp_path
     assert not list(store.root.glob(f"{SPARE_PREFIX}*"))
     assert paths.budget_file.stat().st_size == budget.FILE_BYTES
     assert oct(paths.budget_file.stat().st_mode & 0o777) == oct(0o666)
-    assert paths.config_file.stat().st_size == 0  # the spare's, until complete
+    assert json.loads(paths.config_file.read_text()) == placement_record(p, UNIT)
     store.write(p)
     assert json.loads(paths.config_file.read_text()) == placement_record(p, UNIT)
     assert store.record_keys() == ["k1"]
@@ -231,3 +237,27 @@ def test_spares_left_by_an_earlier_run_are_taken_again_or_trashed(tmp_path: Path
     assert again.take(root / "key")
     assert (root / "key" / "shared" / budget.FILE_NAME).is_file()
     assert not good.exists()
+
+
+def test_spares_keep_off_a_nearly_full_disk_and_give_their_space_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "containers"
+    root.mkdir()
+    trashed: list[Path] = []
+    pool = SparePool(root, trashed.append)
+    pool._make()
+    assert pool.ready() == 1
+    real = os.statvfs(root)
+
+    class Nearly:  # 60 MiB free: under the 64 MiB kept for records
+        f_frsize = real.f_frsize
+        f_blocks = real.f_blocks
+        f_bavail = (60 << 20) // real.f_frsize
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Nearly)
+    with pytest.raises(OSError):
+        pool._make()
+    pool.drain()
+    assert pool.ready() == 0
+    assert len(trashed) == 1

@@ -146,7 +146,7 @@ class ContainerStore:
         # Keys whose directory and budget file this store made or checked, when
         # (monotonic): a write moments later skips both (see _write_files).
         self._made: dict[str, float] = {}
-        self._blank: set[str] = set()  # keys whose config.json is a spare's, still empty
+        self._blank: set[str] = set()  # keys whose config.json no container has read yet
 
     def paths(self, key: str) -> ContainerPaths:
         config_dir = self.root / key
@@ -169,21 +169,29 @@ class ContainerStore:
 
         With the journal started, its entry is what is made durable (one
         fdatasync, vgpu.adapters.journal), and config.json is written without
-        an fsync, only once the record is `complete` (a container's second
-        resource replaces the record of its first moments later, before
-        anything reads it). Without the journal, config.json itself is written
-        every time, and fsync'ed only when the record is also `complete` (the
-        record of the first resource is replaced moments later; lost to a
-        power cut in between, it is rebuilt from the kubelet's record)."""
+        an fsync. Without the journal, config.json itself is fsync'ed, only
+        once the record is also `complete` (a container's second resource
+        replaces the record of its first moments later; lost to a power cut
+        in between, it is rebuilt from the kubelet's record)."""
         body = json.dumps(placement_record(placement, self.memory_unit_mib)).encode()
         if self.journal.active:
             # First: a config.json is never newer than what the journal holds.
             self.journal.put(placement.key, body, durable)
-            return self._write_files(placement.key, body if complete else None, False, True)
+            return self._write_files(placement.key, body, False, True, complete)
         return self._write_files(placement.key, body, durable and complete, False)
 
     def _write_files(
-        self, key: str, body: bytes | None, durable: bool, journaled: bool
+        self, key: str, body: bytes, durable: bool, journaled: bool, complete: bool = True
+    ) -> ContainerPaths:
+        try:
+            return self._write_dir(key, body, durable, journaled, complete)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self.spares.drain()  # the spares' space goes to the records
+            raise
+
+    def _write_dir(
+        self, key: str, body: bytes, durable: bool, journaled: bool, complete: bool
     ) -> ContainerPaths:
         paths = self.paths(key)
         now = time.monotonic()
@@ -204,13 +212,13 @@ class ContainerStore:
                 if repaired:
                     log.warning("budget file of %s: %s", key, repaired)
             self._made[key] = now
-        if body is None:
-            return paths
         if journaled and key in self._blank:
-            # The spare's own empty config.json, which nothing has read: written
-            # in place (no new inode, no rename). A crash half-way leaves a
-            # record the journal, written first, restores at start-up.
-            self._blank.discard(key)
+            # The spare's own config.json, which no container has read yet (it
+            # starts after its last Allocate): written in place, no new inode,
+            # no rename. A crash half-way leaves a record the journal, written
+            # first, restores at start-up. Atomically from then on.
+            if complete:
+                self._blank.discard(key)
             fd = os.open(paths.config_file, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 os.write(fd, body)
@@ -329,12 +337,19 @@ class ContainerStore:
             return []
 
     def load_all(self) -> tuple[list[Placement], list[str]]:
-        """Every readable record, and the keys whose record is missing or corrupt."""
+        """Every readable record, and the keys whose record is missing or corrupt.
+
+        An empty config.json is a record being written in place (a directory
+        made ahead; the journal has the record): it is neither."""
         good: list[Placement] = []
         bad: list[str] = []
         for key in self.record_keys():
             try:
-                data = json.loads(self.paths(key).config_file.read_text())
+                text = self.paths(key).config_file.read_text()
+                if not text:
+                    log.debug("state record %s is still being written", key)
+                    continue
+                data = json.loads(text)
                 placement = placement_from_record(data)
                 if placement.key != key:
                     raise ValueError(f"record names key {placement.key}")
@@ -571,6 +586,7 @@ class SparePool:
 
     COUNT = 64
     IDLE_S = 1.0
+    MIN_FREE_BYTES = 64 << 20  # no spare is made with less left (nor 10 % of the disk)
 
     def __init__(self, root: Path, trash: Callable[[Path], None]) -> None:
         self.root = root
@@ -594,16 +610,6 @@ class SparePool:
     def ready(self) -> int:
         with self._lock:
             return len(self._ready)
-
-    def wait_ready(self, count: int, timeout_s: float) -> bool:
-        """Wait (bounded) until `count` spares are ready: at start-up, before
-        the daemon registers, so the first admissions find some."""
-        deadline = time.monotonic() + timeout_s
-        while self.ready() < count and not self._stop.is_set():
-            if time.monotonic() >= deadline or self._thread is None:
-                return False
-            time.sleep(0.005)
-        return True
 
     def take(self, target: Path) -> bool:
         """Rename a spare to `target` (which must not exist); False when none
@@ -646,7 +652,25 @@ class SparePool:
             self._wake.wait(60.0)
             self._wake.clear()
 
+    def drain(self) -> None:
+        """The disk is full: give the spares' space back to the records."""
+        with self._lock:
+            names, self._ready = self._ready, []
+        for name in names:
+            self.trash(self.root / name)
+
+    def _room(self) -> bool:
+        """Is there room for one more spare, and plenty left for records?"""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return False
+        free = st.f_bavail * st.f_frsize
+        return free - budget.FILE_BYTES >= max(self.MIN_FREE_BYTES, st.f_blocks * st.f_frsize // 10)
+
     def _make(self) -> None:
+        if not self._room():
+            raise OSError(errno.ENOSPC, "keeping the last space for records")
         path = self.root / f"{SPARE_PREFIX}{uuid.uuid4().hex[:12]}"
         (path / "shared").mkdir(mode=0o755, parents=True)
         try:

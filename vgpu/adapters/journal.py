@@ -95,7 +95,7 @@ class PlacementJournal:
         self.path = path
         self.min_bytes = min_bytes
         self._lock = threading.Lock()
-        self._fd: int | None = None
+        self._active = False
         self._offset = 0
         self._size = 0
         self._live: dict[str, bytes] = {}  # key -> its last payload
@@ -103,7 +103,7 @@ class PlacementJournal:
 
     @property
     def active(self) -> bool:
-        return self._fd is not None
+        return self._active
 
     def load(self) -> dict[str, dict[str, Any]]:
         """The records the journal on disk holds (read-only; {} when there is none)."""
@@ -144,14 +144,12 @@ class PlacementJournal:
 
     def close(self) -> None:
         with self._lock:
-            fd, self._fd = self._fd, None
-            if fd is not None:
-                os.close(fd)
+            self._active = False
 
     # ------------------------------------------------------------------ inside
 
     def _append(self, entry: bytes, durable: bool, key: str, payload: bytes | None) -> None:
-        if self._fd is None:
+        if not self._active:
             raise RuntimeError("the placement journal is not open")
         if self._offset + len(entry) + ENTRY.size > self._size:
             live = dict(self._live)
@@ -161,9 +159,15 @@ class PlacementJournal:
                 live[key] = payload
             self._rewrite(live)  # durable, with this record in it
             return
-        os.pwrite(self._fd, entry, self._offset)
-        if durable:
-            os.fdatasync(self._fd)
+        # Opened per write: no descriptor open for writing is held between
+        # calls (a disk can be remounted read-only under the daemon).
+        fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.pwrite(fd, entry, self._offset)
+            if durable:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
         self._offset += len(entry)
         if payload is None:
             self._live.pop(key, None)
@@ -186,17 +190,16 @@ class PlacementJournal:
             os.fsync(fd)
             os.replace(tmp, self.path)
         except BaseException:
-            os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        finally:
+            os.close(fd)
         dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-        old, self._fd = self._fd, fd
-        if old is not None:
-            os.close(old)
+        self._active = True
         self._offset, self._size, self._live = len(body), size, live
         self.rewrites += 1

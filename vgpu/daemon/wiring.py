@@ -83,7 +83,6 @@ STATE_RETRY_S = 1.0
 STOP_TIMEOUT_S = 4.0
 DEVICE_NODE_CHECK_S = 5.0  # how soon a card whose device node vanished turns unhealthy
 START_SYNC_WAIT_S = 5.0  # longest start-up wait for the pod cache before registering
-SPARES_AT_START, SPARES_WAIT_S = 4, 1.0  # directories made ahead before registering
 HANDOFF_ASK_TIMEOUT_S = 10.0  # longest wait for the owner's answer to a handover request
 # How long a SIGTERMed owner keeps serving for a starting successor to ask for
 # the node (within the chart's terminationGracePeriodSeconds of 30). Seen on
@@ -375,9 +374,6 @@ class Daemon:
             )
         self._install_hook()
         self.service.recover()
-        # A few directories made ahead before the kubelet can call (issue 30);
-        # the rest of the pool is made in the background.
-        self.store.spares.wait_ready(SPARES_AT_START, SPARES_WAIT_S)
         if s.metrics_address:
             from vgpu.daemon.metrics import Metrics
 
