@@ -611,6 +611,17 @@ class SparePool:
         with self._lock:
             return len(self._ready)
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait (bounded) until the pool is full: at start-up, before the daemon
+        registers, so the first admissions find spares and the pool's own
+        metadata is not made while they run. True when full."""
+        deadline = time.monotonic() + timeout_s
+        while self.ready() < self.COUNT:
+            if self._thread is None or self._stop.is_set() or time.monotonic() >= deadline:
+                return False
+            self._stop.wait(0.005)
+        return True
+
     def take(self, target: Path) -> bool:
         """Rename a spare to `target` (which must not exist); False when none
         is ready (or the rename failed: the caller makes the directory)."""

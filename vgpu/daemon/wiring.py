@@ -83,6 +83,7 @@ STATE_RETRY_S = 1.0
 STOP_TIMEOUT_S = 4.0
 DEVICE_NODE_CHECK_S = 5.0  # how soon a card whose device node vanished turns unhealthy
 START_SYNC_WAIT_S = 5.0  # longest start-up wait for the pod cache before registering
+SPARES_WAIT_S = 0.25  # longest start-up wait for the directories made ahead
 HANDOFF_ASK_TIMEOUT_S = 10.0  # longest wait for the owner's answer to a handover request
 # How long a SIGTERMed owner keeps serving for a starting successor to ask for
 # the node (within the chart's terminationGracePeriodSeconds of 30). Seen on
@@ -374,6 +375,9 @@ class Daemon:
             )
         self._install_hook()
         self.service.recover()
+        # The directories made ahead, before the kubelet can call (bounded: a
+        # successor adopts its predecessor's, and holds calls meanwhile).
+        self.store.spares.wait_ready(SPARES_WAIT_S)
         if s.metrics_address:
             from vgpu.daemon.metrics import Metrics
 
