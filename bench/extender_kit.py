@@ -60,6 +60,7 @@ import psutil
 import yaml
 
 from bench.common import Json, Target, machine
+from tests.e2e.kit import read_env_file, run_script
 from vgpu.adapters.gpus import preset_cards
 from vgpu.core.annotations import format_inventory
 from vgpu.core.model import CardUuid, Policy
@@ -160,33 +161,6 @@ class Api:
 # ------------------------------------------------------------------ the kit
 
 
-def _run_script(argv: Sequence[str], env: dict[str, str], log: Path, timeout_s: float) -> str:
-    """A kit script in its own session; its stderr appended to `log`; its stdout."""
-    with log.open("a") as err:
-        done = subprocess.run(
-            list(argv),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            timeout=timeout_s,
-            start_new_session=True,
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"{argv[0]} exited {done.returncode} (see {log})")
-    return done.stdout.strip()
-
-
-def _env_file(path: Path) -> dict[str, str]:
-    out = {}
-    for line in path.read_text().splitlines():
-        if "=" in line and not line.startswith("#"):
-            key, value = line.split("=", 1)
-            out[key.strip()] = value.strip()
-    return out
-
-
 def _pid_of(pid_file: Path, marker: str) -> int | None:
     """The pid in `pid_file` if that process runs and its command line names `marker`."""
     try:
@@ -217,11 +191,11 @@ class ControlPlane:
         return env
 
     def start(self) -> None:
-        self.home = _run_script([str(KIT / "unpack.sh")], dict(os.environ), self.log, 600)
+        self.home = run_script([str(KIT / "unpack.sh")], dict(os.environ), self.log, 600)
         self.cp_dir = Path(tempfile.mkdtemp(prefix="k8scp.", dir="/tmp"))
         env = self._base_env() | {"CP_DIR": str(self.cp_dir), "SCHEDULER": "0"}
-        _run_script([str(KIT / "controlplane" / "start.sh")], env, self.log, 180)
-        self.env = _env_file(self.cp_dir / "env")
+        run_script([str(KIT / "controlplane" / "start.sh")], env, self.log, 180)
+        self.env = read_env_file(self.cp_dir / "env")
 
     def api(self) -> Api:
         return Api(self.env["APISERVER"], self.env["TOKEN"], self.env["CA"])
@@ -237,7 +211,7 @@ class ControlPlane:
     def start_scheduler(self, config: Path) -> None:
         assert self.cp_dir is not None
         argv = [str(KIT / "controlplane" / "start-scheduler.sh"), str(self.cp_dir), str(config)]
-        _run_script(argv, self._base_env(), self.log, 120)
+        run_script(argv, self._base_env(), self.log, 120)
 
     def stop_scheduler(self) -> None:
         """As start-scheduler.sh stops one: SIGTERM by its PID, SIGKILL after 10 s."""
@@ -259,7 +233,7 @@ class ControlPlane:
     def stop(self) -> None:
         if self.cp_dir is not None and self.cp_dir.exists():
             env = self._base_env()
-            _run_script(
+            run_script(
                 [str(KIT / "controlplane" / "stop.sh"), str(self.cp_dir)], env, self.log, 120
             )
 
