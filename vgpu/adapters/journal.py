@@ -7,13 +7,14 @@ rename, fsync of the directory) commits the filesystem's metadata journal:
 written in place into blocks that are already allocated and written (this
 file is zero-filled and fsync'ed when it is made) needs no metadata commit:
 `fdatasync` flushes the data alone, about 0.1 ms. So each record is appended
-here, durably, before Allocate answers; the container's `config.json` (what
-the hook reads) is written beside it without an fsync. After a power cut the
+here (synced once per container, before its last Allocate answers), and the
+container's `config.json` (what the container and `vgpu status` read) is
+written beside it without an fsync. After a power cut the
 start-up writes every record the journal holds and the disk lost back into
 its directory, before the daemon registers with the kubelet (and so before
 the kubelet can start any container that mounts it).
 
-Layout: an 16-byte header (magic, version), then entries of `<u32 length,
+Layout: a 16-byte header (magic, version), then entries of `<u32 length,
 u32 crc32>` + the record's JSON (`{"forget": key}` for a released one); a
 zero length ends them. A bad entry (a torn write) ends the replay. The file
 is rewritten (atomically, durably) with the live records at start-up and
