@@ -91,6 +91,7 @@ class DraKubelet:
         self.rpc_timeout_s = rpc_timeout_s
         self.plugins: dict[str, Registration] = {}
         self.refused: list[str] = []  # why registrations were refused
+        self.retried: list[str] = []  # registrations whose calls failed, tried again
         self.latencies_s: dict[str, list[float]] = {"prepare": [], "unprepare": []}
         self._registrations: dict[str, int] = {}
         self._seen: dict[str, tuple[int, int]] = {}  # socket path -> (inode, ctime)
@@ -173,7 +174,11 @@ class DraKubelet:
                     reg.RegistrationStatus(plugin_registered=not error, error=error), timeout=5
                 )
         except grpc.RpcError as exc:
-            self.refused.append(f"{path}: {exc.code().name}")
+            # Not a refusal: the kubelet's plugin manager retries a registration
+            # whose calls failed (its reconciler, every second), so look at the
+            # socket again at the next poll.
+            self.retried.append(f"{path}: {exc.code().name}")
+            self._seen.pop(path, None)
             return
         if error:
             self.refused.append(error)
