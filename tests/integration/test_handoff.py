@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.integration.conftest_placement import (
@@ -35,6 +36,19 @@ __all__ = ["pl_tmp", "sim_node"]
 
 NAMESPACE = "vgpu-system"
 OWNER = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "vgpu", "uid": "ds-uid-1"}
+
+
+@pytest.fixture(autouse=True)
+def no_daemon_left() -> Iterator[None]:
+    """A handed-over daemon idles until signalled: whatever a test leaves
+    running (a failure midway) is killed here, after the node fixtures'
+    own checks."""
+    yield
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if "serve" in child.cmdline() and child.is_running():
+                child.kill()
+                child.wait(5)
 
 
 class Burst:
