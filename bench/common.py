@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 import platform
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -83,3 +85,66 @@ def ram_dir() -> str | None:
     """
     shm = "/dev/shm"
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+
+
+class RunQueueWait:
+    """How long one process's threads have waited on a CPU run-queue (ready to
+    run, not running): what the rest of the machine costs it. Read from
+    /proc/PID/task/TID/schedstat (the second field, ns); a thread that ended
+    keeps what it added. On a kernel without schedstat every read is None."""
+
+    def __init__(self, pid: int, proc: Path = Path("/proc")) -> None:
+        self._tasks = proc / str(pid) / "task"
+        self._seen: dict[str, int] = {}
+
+    def read_s(self) -> float | None:
+        """Seconds waited since the last read (the first read: since the start)."""
+        added, found = 0, False
+        try:
+            tids = [entry.name for entry in self._tasks.iterdir()]
+        except OSError:  # gone (reaped), or no /proc
+            return 0.0 if self._seen else None
+        for tid in tids:
+            try:
+                waited = int((self._tasks / tid / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):  # a thread that just ended
+                continue
+            found = True
+            added += max(0, waited - self._seen.get(tid, 0))
+            self._seen[tid] = waited
+        if not found:
+            return 0.0 if self._seen else None
+        return added / 1e9
+
+
+class WaitWatch:
+    """A process's RunQueueWait read every `every_s` by a thread of its own until
+    stop(): `samples` holds (time.monotonic(), seconds waited so far). A thread
+    of the process that ends between two reads takes what it waited since the
+    last one with it. On a kernel without schedstat there are no samples."""
+
+    def __init__(self, pid: int, every_s: float = 0.005) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._waits = RunQueueWait(pid)
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        total = 0.0
+        while (read := self._waits.read_s()) is not None:
+            total += read
+            self.samples.append((time.monotonic(), total))
+            if self._stop.wait(self._every_s):
+                return
+
+    def stop(self) -> float | None:
+        """Seconds waited in all, None where the kernel cannot tell."""
+        self._stop.set()
+        self._thread.join()
+        return self.samples[-1][1] if self.samples else None
+
+    def by(self, at: float) -> float:
+        """Seconds waited by `at` (time.monotonic()), as last read before it."""
+        return max((total for when, total in self.samples if when <= at), default=0.0)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import WaitWatch
 from tests.hooks.test_hooks import (
     BUILD,
     MARGIN,
@@ -67,6 +68,18 @@ def last_json(proc: subprocess.Popen[str]) -> dict[str, object]:
 
 # ---- 1. compute: each container throttles on its own utilisation ----
 
+LAUNCH_S = 4  # each tenant's launch loop
+
+
+def floor_under_load(low: float, watch: WaitWatch) -> float:
+    """`low` (a share of the card) less the part of the launch loop that the
+    tenant's threads spent waiting for a CPU, measured in the same run: a busy
+    machine takes that much from a tenant at most (the stand-in keeps 1 ms of
+    its kernels queued), so a share lowered further is the hook's doing.
+    Beside two CPU spinners on two cores a 60 % tenant got 0.41 (issue 29)."""
+    waited_s = watch.stop() or 0.0
+    return low - waited_s / LAUNCH_S
+
 
 @pytest.mark.timeout(60)
 def test_two_tenants_in_pid_namespaces_each_get_their_own_share(tmp_path: Path) -> None:
@@ -76,18 +89,22 @@ def test_two_tenants_in_pid_namespaces_each_get_their_own_share(tmp_path: Path) 
     b_dir.mkdir()
     a = run_probe(
         tenant_env(a_dir, gpu, offset=100000, VGPU_CORE_LIMIT=30, FAKE_CUDA_LAUNCH_US=200),
-        "ctx", 0, "launch", 4,
+        "ctx", 0, "launch", LAUNCH_S,
     )  # fmt: skip
     b = run_probe(
         tenant_env(b_dir, gpu, offset=200000, VGPU_CORE_LIMIT=60, FAKE_CUDA_LAUNCH_US=200),
-        "ctx", 0, "launch", 4,
+        "ctx", 0, "launch", LAUNCH_S,
     )  # fmt: skip
+    watch_a, watch_b = WaitWatch(a.pid), WaitWatch(b.pid)
     share_a, share_b = float(last_json(a)["share"]), float(last_json(b)["share"])  # type: ignore[arg-type]
-    print(f"GPU shares: limit 30% -> {share_a:.3f}, limit 60% -> {share_b:.3f}")
-    # Throttled on the whole card both would sink below 0.3 together; a starved
-    # launching thread on a loaded CI box only lowers a share a little.
-    assert 0.2 <= share_a <= 0.4, (share_a, share_b)
-    assert 0.45 <= share_b <= 0.72, (share_a, share_b)
+    low_a, low_b = floor_under_load(0.2, watch_a), floor_under_load(0.45, watch_b)
+    print(
+        f"GPU shares: limit 30% -> {share_a:.3f} (>= {low_a:.3f}), "
+        f"limit 60% -> {share_b:.3f} (>= {low_b:.3f})"
+    )
+    # Throttled on the whole card both would sink below 0.3 together.
+    assert low_a <= share_a <= 0.4, (share_a, share_b, low_a)
+    assert low_b <= share_b <= 0.72, (share_a, share_b, low_b)
 
 
 def start_together(
@@ -116,7 +133,7 @@ def test_two_tenants_creating_their_contexts_together_each_get_their_own_share(
 ) -> None:
     """Pods of a Deployment scaling up start together: both see two new pids on the
     card and must still each throttle on their own utilisation, not the card's."""
-    ops = ("ctx", 0, "launch", 4)
+    ops = ("ctx", 0, "launch", LAUNCH_S)
     started = start_together(
         tmp_path,
         {
@@ -124,13 +141,16 @@ def test_two_tenants_creating_their_contexts_together_each_get_their_own_share(
             "b": (ops, {"VGPU_CORE_LIMIT": 60, "FAKE_CUDA_LAUNCH_US": 200}),
         },
     )
+    watches = {name: WaitWatch(proc.pid) for name, (proc, _) in started.items()}
     results = {name: last_json(proc) for name, (proc, _) in started.items()}
     share_a, share_b = (float(results[n]["share"]) for n in "ab")  # type: ignore[arg-type]
+    low_a, low_b = floor_under_load(0.2, watches["a"]), floor_under_load(0.45, watches["b"])
     print(
-        f"GPU shares, contexts created together: limit 30% -> {share_a:.3f}, 60% -> {share_b:.3f}"
+        f"GPU shares, contexts created together: limit 30% -> {share_a:.3f} (>= {low_a:.3f}), "
+        f"60% -> {share_b:.3f} (>= {low_b:.3f})"
     )
-    assert 0.2 <= share_a <= 0.4, (share_a, share_b)
-    assert 0.45 <= share_b <= 0.72, (share_a, share_b)
+    assert low_a <= share_a <= 0.4, (share_a, share_b, low_a)
+    assert low_b <= share_b <= 0.72, (share_a, share_b, low_b)
 
 
 @pytest.mark.timeout(60)

@@ -73,6 +73,12 @@ def test_a_told_process_lists_nothing_at_its_context_and_adopts_its_host_pid(
     try:
         time.sleep(0.3)  # a heartbeat on the pre-created file
         trace = _tenant(tmp_path)
+        if "the node daemon told host pid" not in trace:
+            # The teller's process waited for a CPU for longer than the tenant
+            # lived (0.6 s; at a load of 63 beside two CPU spinners, issue 29):
+            # once more, with the tenant living 5 s. A teller that never tells
+            # still fails.
+            trace = _tenant(tmp_path, 5.0)
     finally:
         harness._stop_arbiter(arbiter)
     assert _lists(trace) == 0, trace

@@ -43,17 +43,29 @@ def test_fifty_processes_start_together_and_survive_kills(
     self-identified: it does not, and each hook diffs the card's process lists.
     at-once: all 50 are held at a gate before their exec and let go together
     (the kills land 0-40 ms after that), not started one by one as spawned."""
-    result = storm(
-        50,
-        containers,
-        hooked=True,
-        kill=True,
-        settle_s=6.0,
-        seed=containers,
-        teller=teller,
-        together=together,
-    )
-    print(result)
+    for attempt in range(3):
+        # settle_s: each process lives that long once ready; the harness reads the
+        # slots from 2.5 s on until every survivor is identified or the first one
+        # ends (then kills the rest). Twice, at a load of 50 beside two CPU
+        # spinners, the teller's process went 5.6 s without telling (it used 3 ms
+        # of CPU: held up, not slow), so it has 20 s; a teller that never tells
+        # still fails, after them.
+        result = storm(
+            50,
+            containers,
+            hooked=True,
+            kill=True,
+            settle_s=20.0,
+            seed=containers + 100 * attempt,
+            teller=teller,
+            together=together,
+        )
+        print(result)
+        # Every victim ready before its kill came (an idle machine readies all 50
+        # in 50 ms when they start at once): nothing was killed mid-start-up, so
+        # again, with other kill times.
+        if result["killed"]:
+            break
     assert result["teller"] is teller
     # 5 victims, each killed 0-40 ms after its spawn unless it was ready before
     assert 1 <= result["killed"] <= 5, result
