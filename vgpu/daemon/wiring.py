@@ -238,7 +238,6 @@ class Daemon:
         self.kept_fds: list[int] = []
         # This daemon's own pod (downward API), to notice a surge pod at SIGTERM.
         self.pod_ref = (os.environ.get("POD_NAMESPACE", ""), os.environ.get("POD_NAME", ""))
-        self.took_over_s: float | None = None
         self._handoff_started = 0.0
         self._reconcile_now = threading.Event()
         self.pods = build_pods(settings, self._reconcile_now.set)
@@ -430,9 +429,9 @@ class Daemon:
 
         if not self.node_lock.acquire(self.stop, waiting):
             return False
-        self.took_over_s = time.monotonic() - started
-        log.info("took this node over in %.3f s", self.took_over_s)
-        self._event("handoff", {"seconds": self.took_over_s})
+        took_s = time.monotonic() - started
+        log.info("took this node over in %.3f s", took_s)
+        self._event("handoff", {"seconds": took_s})
         return True
 
     def _start_handoff_server(self) -> None:
